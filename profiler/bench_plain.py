@@ -1,0 +1,208 @@
+"""`specroute bench plain`: the plain engine against transformers' `model.generate` on the same
+prompts in the same run (interleaved, so machine noise hits both alike), tokens/s as the batch
+grows, and how close a batch-1 decode step comes to the machine's memory bandwidth."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from pydantic import BaseModel, Field
+from tqdm import tqdm
+from transformers import GenerationConfig
+
+from backends.generation import ChatMessage, GenerationRequest
+from backends.models import LoadedModel, load_model
+from backends.plain import PlainEngine
+
+from .hardware import MachineInfo, machine_info, measure_copy_bandwidth
+
+BENCH_PROMPTS = (
+    "Explain why the sky is blue in two sentences.",
+    "Write a Python function that checks whether a number is prime.",
+    "Summarize the story of a lighthouse keeper who finds a message in a bottle.",
+    "List three tips for staying productive while working from home.",
+)
+
+
+class BenchPlainConfig(BaseModel):
+    model: str = "embedded"
+    dtype: str = "float32"
+    device: str = "cpu"
+    threads: int | None = Field(None, ge=1)
+    max_tokens: int = Field(48, ge=2, le=4096)
+    batch_sizes: list[int] = Field(default_factory=lambda: [1, 4, 16, 64], min_length=1)
+    rounds: int = Field(3, ge=1)
+
+
+class GenerateComparison(BaseModel):
+    requests: int = Field(description="prompts × rounds, each timed once per engine")
+    tokens_per_request: int
+    specroute_tokens_per_s: float
+    transformers_tokens_per_s: float
+    ratio: float = Field(description="specroute tokens/s over transformers generate tokens/s")
+    identical_tokens: bool = Field(description="greedy outputs of both engines match token for token")
+
+
+class BatchPoint(BaseModel):
+    batch_size: int
+    tokens_per_s: float = Field(description="generated tokens of the whole batch per wall second")
+    step_ms: float = Field(description="one decode step of the batch, prefill excluded")
+
+
+class BandwidthUse(BaseModel):
+    weight_bytes: int
+    decode_step_ms: float = Field(description="batch-1 decode step, prefill excluded")
+    achieved_bytes_per_s: float = Field(description="weight bytes × decode steps per second")
+    copy_bytes_per_s: float = Field(description="memory copy bandwidth measured in this run")
+    fraction: float
+
+
+class BenchPlainReport(BaseModel):
+    machine: MachineInfo
+    model: dict[str, object]
+    comparison: GenerateComparison
+    batches: list[BatchPoint]
+    bandwidth: BandwidthUse
+
+
+def run_bench_plain(config: BenchPlainConfig) -> BenchPlainReport:
+    loaded = load_model(config.model, config.dtype, config.device, config.threads)
+    engine = PlainEngine(loaded)
+    requests = [
+        GenerationRequest(
+            messages=[ChatMessage(role="user", content=p)], max_tokens=config.max_tokens, ignore_eos=True
+        )
+        for p in BENCH_PROMPTS
+    ]
+    total = 2 * config.rounds * len(requests) + len(config.batch_sizes) + 1
+    with tqdm(total=total, desc="bench plain", unit="run", leave=False) as bar:
+        _warm_up(engine, loaded, requests[0])
+        copy_bandwidth = measure_copy_bandwidth(device=config.device)
+        bar.update()
+        comparison, decode_step_s = _compare_with_generate(engine, loaded, requests, config.rounds, bar)
+        batches = [_batch_point(engine, requests, size, bar) for size in config.batch_sizes]
+    achieved = loaded.info.weight_bytes / decode_step_s
+    return BenchPlainReport(
+        machine=machine_info(),
+        model=loaded.info.as_dict(),
+        comparison=comparison,
+        batches=batches,
+        bandwidth=BandwidthUse(
+            weight_bytes=loaded.info.weight_bytes,
+            decode_step_ms=decode_step_s * 1e3,
+            achieved_bytes_per_s=achieved,
+            copy_bytes_per_s=copy_bandwidth,
+            fraction=achieved / copy_bandwidth,
+        ),
+    )
+
+
+def _warm_up(engine: PlainEngine, loaded: LoadedModel, request: GenerationRequest) -> None:
+    """First calls pay for allocator growth and kernel selection; neither engine should be charged."""
+    short = request.model_copy(update={"max_tokens": 4})
+    engine.generate([short])
+    _hf_generate(loaded, engine.encode(short), 4)
+
+
+def _compare_with_generate(
+    engine: PlainEngine, loaded: LoadedModel, requests: list[GenerationRequest], rounds: int, bar: tqdm
+) -> tuple[GenerateComparison, float]:
+    """Batch-1 tokens/s of both engines; which runs first alternates each round to cancel drift."""
+    ours_s = theirs_s = decode_s = 0.0
+    identical = True
+    for round_index in range(rounds):
+        for request in requests:
+            ours, theirs, same = _time_pair(engine, loaded, request, ours_first=round_index % 2 == 0)
+            ours_s, theirs_s, identical = ours_s + ours, theirs_s + theirs, identical and same
+            bar.update(2)
+        decode_s += engine.generate([requests[0]])[0].tpot_s
+    tokens = rounds * sum(r.max_tokens for r in requests)  # ignore_eos: every request runs to max_tokens
+    comparison = GenerateComparison(
+        requests=rounds * len(requests),
+        tokens_per_request=requests[0].max_tokens,
+        specroute_tokens_per_s=tokens / ours_s,
+        transformers_tokens_per_s=tokens / theirs_s,
+        ratio=theirs_s / ours_s,
+        identical_tokens=identical,
+    )
+    return comparison, decode_s / rounds
+
+
+def _time_pair(
+    engine: PlainEngine, loaded: LoadedModel, request: GenerationRequest, ours_first: bool
+) -> tuple[float, float, bool]:
+    """Seconds for our engine and for `model.generate` on one request, and whether tokens match."""
+
+    def ours() -> list[int]:
+        return engine.generate([request])[0].token_ids
+
+    def theirs() -> list[int]:
+        # Both sides go from the request to tokens, chat templating included.
+        return _hf_generate(loaded, engine.encode(request), request.max_tokens)
+
+    timed = {run: _timed(run) for run in ((ours, theirs) if ours_first else (theirs, ours))}
+    (our_tokens, our_s), (their_tokens, their_s) = timed[ours], timed[theirs]
+    return our_s, their_s, our_tokens == their_tokens
+
+
+def _timed(run: Callable[[], list[int]]) -> tuple[list[int], float]:
+    start = time.perf_counter()
+    tokens = run()
+    return tokens, time.perf_counter() - start
+
+
+def _batch_point(engine: PlainEngine, requests: list[GenerationRequest], size: int, bar: tqdm) -> BatchPoint:
+    batch = [requests[i % len(requests)] for i in range(size)]
+    start = time.perf_counter()
+    results = engine.generate(batch)
+    elapsed = time.perf_counter() - start
+    bar.update()
+    return BatchPoint(
+        batch_size=size,
+        tokens_per_s=sum(r.completion_tokens for r in results) / elapsed,
+        step_ms=results[0].tpot_s * 1e3,
+    )
+
+
+def _hf_generate(loaded: LoadedModel, prompt_ids: list[int], max_tokens: int) -> list[int]:
+    import torch
+
+    input_ids = torch.tensor([prompt_ids], device=loaded.model.device)
+    # eos_token_id=[] keeps generating past EOS, as ignore_eos does on our side.
+    config = GenerationConfig(
+        max_new_tokens=max_tokens, do_sample=False, eos_token_id=[], pad_token_id=loaded.tokenizer.pad_token_id
+    )
+    output = loaded.model.generate(
+        input_ids=input_ids, attention_mask=torch.ones_like(input_ids), generation_config=config
+    )
+    return output[0, len(prompt_ids) :].tolist()
+
+
+def render_report(report: BenchPlainReport) -> str:
+    c, bw, m = report.comparison, report.bandwidth, report.model
+    base = report.batches[0].tokens_per_s
+    lines = [
+        f"specroute bench plain — {m['name']} ({m['dtype']}, {m['device']}) on {report.machine.cpu}, "
+        f"{report.machine.torch_threads} torch threads",
+        "",
+        f"batch 1, {c.requests} requests × {c.tokens_per_request} tokens, interleaved with transformers:",
+        f"  specroute plain engine      {c.specroute_tokens_per_s:8.2f} tok/s",
+        f"  transformers generate       {c.transformers_tokens_per_s:8.2f} tok/s",
+        f"  ratio                       {c.ratio:8.3f}×",
+        f"  greedy tokens identical     {'yes' if c.identical_tokens else 'NO'}",
+        "",
+        "batch scaling (plain engine):",
+        "  batch      tok/s   step ms   × batch-1 tok/s",
+    ]
+    lines += [f"  {p.batch_size:5d} {p.tokens_per_s:10.1f} {p.step_ms:9.1f} {p.tokens_per_s / base:10.2f}×"
+              for p in report.batches]
+    lines += [
+        "",
+        "physical limit (batch-1 decode step):",
+        f"  {bw.weight_bytes / 1e6:.1f} MB of weights × {1e3 / bw.decode_step_ms:.1f} steps/s = "
+        f"{bw.achieved_bytes_per_s / 1e9:.2f} GB/s achieved",
+        f"  memory copy bandwidth measured now: {bw.copy_bytes_per_s / 1e9:.2f} GB/s  →  "
+        f"{bw.fraction:.1%} of it",
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,69 @@
+"""What machine a measurement ran on, and its memory bandwidth measured in the same run:
+the physical limit a memory-bound decode step is compared against."""
+
+from __future__ import annotations
+
+import os
+import platform
+import time
+from importlib.metadata import version
+
+import torch
+from pydantic import BaseModel
+
+
+class MachineInfo(BaseModel):
+    cpu: str
+    logical_cores: int
+    torch_threads: int
+    torch_version: str
+    transformers_version: str
+    python_version: str
+    cuda_device: str | None
+
+
+def machine_info() -> MachineInfo:
+    return MachineInfo(
+        cpu=_cpu_model(),
+        logical_cores=os.cpu_count() or 1,
+        torch_threads=torch.get_num_threads(),
+        torch_version=torch.__version__,
+        transformers_version=version("transformers"),
+        python_version=platform.python_version(),
+        cuda_device=torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+    )
+
+
+def measure_copy_bandwidth(megabytes: int = 256, repeats: int = 5, device: str = "cpu") -> float:
+    """Best-of-`repeats` device memory copy bandwidth in bytes/s (read + write counted, as STREAM does).
+
+    The buffer is far larger than any CPU cache, so this is what DRAM (or HBM) sustains.
+    """
+    elements = megabytes * 2**20 // 4
+    src = torch.ones(elements, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # first touch pages outside the timed region
+    best = float("inf")
+    for _ in range(repeats):
+        _sync(device)
+        start = time.perf_counter()
+        dst.copy_(src)
+        _sync(device)
+        best = min(best, time.perf_counter() - start)
+    return 2 * src.numel() * src.element_size() / best
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()

@@ -1,0 +1,182 @@
+"""The `specroute` command line. Heavy imports (torch, transformers) happen inside the
+commands that need them, so `specroute --help` answers at once."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from pydantic import ValidationError
+
+if TYPE_CHECKING:
+    from backends.generation import GenerationResult
+
+DEFAULT_PROMPT_HELP = "sent as one user chat message unless --raw is given"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.handler(args)
+    except ValidationError as exc:
+        print(f"error: invalid request:\n{format_validation_error(exc)}", file=sys.stderr)
+    except ValueError as exc:  # ModelLoadError and engine argument errors are ValueErrors
+        print(f"error: {exc}", file=sys.stderr)
+    return 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specroute", description="Latency-optimization advisor and router")
+    commands = parser.add_subparsers(dest="command", required=True)
+    setup = commands.add_parser("setup", help="fetch and convert the embedded default model (once)")
+    setup.add_argument("--force", action="store_true", help="download and convert again")
+    setup.set_defaults(handler=run_setup)
+    generate = commands.add_parser("generate", help="generate a completion with the plain engine")
+    _add_generate_args(generate)
+    generate.set_defaults(handler=run_generate)
+    bench = commands.add_parser("bench", help="benchmarks that print side-by-side ratios")
+    benches = bench.add_subparsers(dest="bench", required=True)
+    plain = benches.add_parser("plain", help="plain engine vs transformers generate; batch scaling; bandwidth")
+    _add_bench_plain_args(plain)
+    plain.set_defaults(handler=run_bench_plain)
+    return parser
+
+
+def _add_model_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="embedded", help="'embedded', a local directory, a .gguf file or a HF id")
+    parser.add_argument("--dtype", default="float32", help="float32 (exact) or bfloat16")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+
+
+def _add_generate_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("prompt", nargs="?", help=f"the prompt; {DEFAULT_PROMPT_HELP}")
+    parser.add_argument("--raw", action="store_true", help="complete the prompt as raw text, no chat template")
+    parser.add_argument("--system", help="system message placed before the prompt")
+    parser.add_argument("--messages", help="chat messages as a JSON list, a JSON file path, or - for stdin")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0, help="0 = no limit")
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    _add_model_args(parser)
+
+
+def _add_bench_plain_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--max-tokens", type=int, default=48, help="tokens generated per request")
+    parser.add_argument("--batches", default="1,4,16,64", help="comma-separated batch sizes")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of ours vs generate")
+    parser.add_argument("--json", action="store_true", help="print the results as one JSON object")
+    _add_model_args(parser)
+
+
+def run_setup(args: argparse.Namespace) -> int:
+    from backends.embedded import prepare_embedded_model
+
+    prepare_embedded_model(force=args.force)
+    return 0
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from backends.generation import GenerationRequest
+    from backends.models import load_model
+    from backends.plain import PlainEngine
+
+    request = GenerationRequest(**_request_fields(args))
+    engine = PlainEngine(load_model(args.model, args.dtype, args.device, args.threads))
+    result = engine.generate([request])[0]
+    if args.json:
+        print(json.dumps({**result.model_dump(), "tokens_per_s": result.tokens_per_s, "engine": "plain"}))
+    else:
+        print(result.text)
+        print(timing_line(result), file=sys.stderr)
+    return 0
+
+
+def run_bench_plain(args: argparse.Namespace) -> int:
+    from profiler.bench_plain import BenchPlainConfig, render_report, run_bench_plain
+
+    config = BenchPlainConfig(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        threads=args.threads,
+        max_tokens=args.max_tokens,
+        batch_sizes=_int_list(args.batches, "--batches"),
+        rounds=args.rounds,
+    )
+    report = run_bench_plain(config)
+    print(report.model_dump_json(indent=2) if args.json else render_report(report))
+    return 0
+
+
+def _request_fields(args: argparse.Namespace) -> dict[str, object]:
+    fields: dict[str, object] = {
+        "max_tokens": args.max_tokens,
+        "stop": args.stop,
+        "sampling": {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "seed": args.seed},
+    }
+    if args.messages is not None:
+        if args.prompt is not None:
+            raise ValueError("give either a prompt or --messages, not both")
+        fields["messages"] = _read_messages(args.messages)
+    elif args.prompt is None:
+        raise ValueError("give a prompt (e.g. specroute generate \"What is the capital of France?\") or --messages")
+    elif args.raw:
+        if args.system:
+            raise ValueError("--system needs the chat template: drop --raw")
+        fields["prompt"] = args.prompt
+    else:
+        system = [{"role": "system", "content": args.system}] if args.system else []
+        fields["messages"] = [*system, {"role": "user", "content": args.prompt}]
+    return fields
+
+
+def _read_messages(source: str) -> object:
+    if source == "-":
+        text = sys.stdin.read()
+    elif source.lstrip().startswith("["):
+        text = source
+    elif Path(source).is_file():
+        text = Path(source).read_text()
+    else:
+        raise ValueError(f"--messages '{source}' is neither a JSON list, an existing file, nor -")
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--messages is not valid JSON ({exc}): pass a list of {{role, content}} objects") from exc
+
+
+def _int_list(text: str, flag: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError as exc:
+        raise ValueError(f"{flag} takes comma-separated integers, e.g. 1,4,16 (got '{text}')") from exc
+
+
+def format_validation_error(exc: ValidationError) -> str:
+    """One line per problem: the field path, what is wrong, and the value given."""
+    lines = []
+    for error in exc.errors():
+        path = ".".join(str(part) for part in error["loc"]) or "request"
+        given = f" (got {error['input']!r})" if "input" in error and not isinstance(error["input"], dict) else ""
+        lines.append(f"  {path}: {error['msg']}{given}")
+    return "\n".join(lines)
+
+
+def timing_line(r: GenerationResult, label: str = "plain") -> str:
+    return (
+        f"[{label}] {r.prompt_tokens} prompt + {r.completion_tokens} completion tokens · "
+        f"TTFT {r.ttft_s * 1e3:.1f} ms · {r.tpot_s * 1e3:.1f} ms/token · "
+        f"{r.tokens_per_s:.1f} tok/s · finish={r.finish_reason}"
+    )
+
+if __name__ == "__main__":
+    sys.exit(main())
