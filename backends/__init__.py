@@ -1,0 +1,1 @@
+"""Model loading, sampling and the decode engines specroute routes between."""

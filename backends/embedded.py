@@ -86,6 +86,7 @@ def _convert_gguf(gguf_path: Path, model_dir: Path, log: Callable[[str], None]) 
     try:
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
+        staging.chmod(0o755)  # mkdtemp makes it private; the model is meant to be shared
         if model_dir.exists():
             shutil.rmtree(model_dir)
         staging.replace(model_dir)

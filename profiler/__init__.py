@@ -1,0 +1,1 @@
+"""Measurements on the machine specroute runs on: benchmarks, hardware limits, (later) profiles."""

@@ -15,7 +15,7 @@ from backends.generation import ChatMessage, GenerationRequest
 from backends.models import LoadedModel, load_model
 from backends.plain import PlainEngine
 
-from .hardware import MachineInfo, machine_info, measure_copy_bandwidth
+from .hardware import MachineInfo, machine_info, measure_copy_bandwidth, measure_matvec_bandwidth
 
 BENCH_PROMPTS = (
     "Explain why the sky is blue in two sentences.",
@@ -55,7 +55,9 @@ class BandwidthUse(BaseModel):
     decode_step_ms: float = Field(description="batch-1 decode step, prefill excluded")
     achieved_bytes_per_s: float = Field(description="weight bytes × decode steps per second")
     copy_bytes_per_s: float = Field(description="memory copy bandwidth measured in this run")
-    fraction: float
+    fraction: float = Field(description="achieved over copy bandwidth")
+    matvec_bytes_per_s: float = Field(description="one matrix-vector product over the LM head, measured in this run")
+    matvec_fraction: float = Field(description="achieved over the matrix-vector ceiling")
 
 
 class BenchPlainReport(BaseModel):
@@ -79,6 +81,7 @@ def run_bench_plain(config: BenchPlainConfig) -> BenchPlainReport:
     with tqdm(total=total, desc="bench plain", unit="run", leave=False) as bar:
         _warm_up(engine, loaded, requests[0])
         copy_bandwidth = measure_copy_bandwidth(device=config.device)
+        matvec_bandwidth = measure_matvec_bandwidth(loaded.model.get_output_embeddings().weight)
         bar.update()
         comparison, decode_step_s = _compare_with_generate(engine, loaded, requests, config.rounds, bar)
         batches = [_batch_point(engine, requests, size, bar) for size in config.batch_sizes]
@@ -94,6 +97,8 @@ def run_bench_plain(config: BenchPlainConfig) -> BenchPlainReport:
             achieved_bytes_per_s=achieved,
             copy_bytes_per_s=copy_bandwidth,
             fraction=achieved / copy_bandwidth,
+            matvec_bytes_per_s=matvec_bandwidth,
+            matvec_fraction=achieved / matvec_bandwidth,
         ),
     )
 
@@ -204,5 +209,7 @@ def render_report(report: BenchPlainReport) -> str:
         f"{bw.achieved_bytes_per_s / 1e9:.2f} GB/s achieved",
         f"  memory copy bandwidth measured now: {bw.copy_bytes_per_s / 1e9:.2f} GB/s  →  "
         f"{bw.fraction:.1%} of it",
+        f"  one matrix-vector product over the LM head: {bw.matvec_bytes_per_s / 1e9:.2f} GB/s  →  "
+        f"{bw.matvec_fraction:.1%} of that kernel ceiling",
     ]
     return "\n".join(lines)

@@ -53,6 +53,25 @@ def measure_copy_bandwidth(megabytes: int = 256, repeats: int = 5, device: str =
     return 2 * src.numel() * src.element_size() / best
 
 
+def measure_matvec_bandwidth(weight: torch.Tensor, repeats: int = 10) -> float:
+    """Best-of-`repeats` bytes/s of one matrix-vector product over `weight` (out, in).
+
+    A batch-1 decode step is a chain of these; this is the ceiling the math library reaches on
+    this machine, which can sit well below the copy bandwidth.
+    """
+    x = torch.randn(1, weight.shape[1], dtype=weight.dtype, device=weight.device)
+    with torch.inference_mode():
+        torch.nn.functional.linear(x, weight)
+        best = float("inf")
+        for _ in range(repeats):
+            _sync(weight.device.type)
+            start = time.perf_counter()
+            torch.nn.functional.linear(x, weight)
+            _sync(weight.device.type)
+            best = min(best, time.perf_counter() - start)
+    return weight.numel() * weight.element_size() / best
+
+
 def _sync(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()

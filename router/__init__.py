@@ -1,0 +1,1 @@
+"""The user-facing side: the `specroute` CLI (and, later, the Ray Serve ingress)."""

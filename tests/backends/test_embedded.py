@@ -1,0 +1,30 @@
+import pytest
+
+from backends import embedded
+
+
+def test_prepare_is_a_no_op_once_the_model_is_converted(loaded, monkeypatch):
+    def forbidden(*_args):
+        raise AssertionError("a prepared model must not be downloaded or converted again")
+
+    monkeypatch.setattr(embedded, "_download_gguf", forbidden)
+    monkeypatch.setattr(embedded, "_convert_gguf", forbidden)
+    messages = []
+    assert embedded.prepare_embedded_model(log=messages.append) == embedded.embedded_model_dir()
+    assert messages == [f"embedded model ready at {embedded.embedded_model_dir()}"]
+
+
+def test_home_follows_the_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECROUTE_HOME", str(tmp_path))
+    assert embedded.embedded_model_dir().is_relative_to(tmp_path)
+    assert not embedded.embedded_model_ready()
+
+
+@pytest.mark.slow
+def test_conversion_writes_a_complete_model_atomically(tmp_path, monkeypatch):
+    source_gguf = embedded.embedded_gguf_path()
+    monkeypatch.setenv("SPECROUTE_HOME", str(tmp_path))
+    target = embedded.embedded_model_dir()
+    embedded._convert_gguf(source_gguf, target, log=lambda _: None)
+    assert embedded.embedded_model_ready()
+    assert [p.name for p in target.parent.iterdir()] == [target.name]  # no staging left behind

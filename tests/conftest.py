@@ -1,0 +1,29 @@
+"""Shared fixtures: the embedded model is loaded once per session, strictly offline."""
+
+import os
+
+# Tests never reach a model hub: set before transformers is imported anywhere.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import pytest  # noqa: E402
+
+from backends.embedded import prepare_embedded_model  # noqa: E402
+from backends.models import LoadedModel, load_model  # noqa: E402
+from backends.plain import PlainEngine  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def loaded() -> LoadedModel:
+    prepare_embedded_model(log=lambda _: None)  # a no-op once `specroute setup` has run
+    return load_model("embedded", dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def engine(loaded: LoadedModel) -> PlainEngine:
+    return PlainEngine(loaded)
+
+
+@pytest.fixture(scope="session")
+def tokenizer(loaded: LoadedModel):
+    return loaded.tokenizer

@@ -1,0 +1,29 @@
+import pytest
+from pydantic import ValidationError
+
+from profiler.bench_plain import BenchPlainConfig, render_report, run_bench_plain
+
+pytestmark = pytest.mark.slow
+
+
+def test_bench_plain_reports_a_side_by_side_ratio_and_bandwidth(loaded):
+    report = run_bench_plain(BenchPlainConfig(max_tokens=4, batch_sizes=[1, 3], rounds=1))
+    comparison = report.comparison
+    assert comparison.identical_tokens
+    assert comparison.ratio == pytest.approx(comparison.specroute_tokens_per_s / comparison.transformers_tokens_per_s)
+    assert [p.batch_size for p in report.batches] == [1, 3]
+    assert all(p.tokens_per_s > 0 and p.step_ms > 0 for p in report.batches)
+    bandwidth = report.bandwidth
+    assert bandwidth.weight_bytes == loaded.info.weight_bytes
+    assert bandwidth.fraction == pytest.approx(bandwidth.achieved_bytes_per_s / bandwidth.copy_bytes_per_s)
+    assert bandwidth.achieved_bytes_per_s == pytest.approx(bandwidth.weight_bytes / (bandwidth.decode_step_ms / 1e3))
+    assert bandwidth.matvec_fraction == pytest.approx(bandwidth.achieved_bytes_per_s / bandwidth.matvec_bytes_per_s)
+    text = render_report(report)
+    assert "ratio" in text and "GB/s achieved" in text and "greedy tokens identical     yes" in text
+
+
+def test_bench_config_rejects_nonsense():
+    with pytest.raises(ValidationError, match="max_tokens"):
+        BenchPlainConfig(max_tokens=1)
+    with pytest.raises(ValidationError, match="batch_sizes"):
+        BenchPlainConfig(batch_sizes=[])

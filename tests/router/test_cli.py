@@ -1,0 +1,80 @@
+import json
+import subprocess
+import sys
+
+import pytest
+
+from router.cli import main
+
+
+def _run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+@pytest.mark.slow
+def test_generate_prints_text_and_a_timing_line(capsys, loaded):
+    code, out, err = _run(capsys, "generate", "What is the capital of France?", "--max-tokens", "20")
+    assert code == 0
+    assert "Paris" in out
+    assert "TTFT" in err and "ms/token" in err and "tok/s" in err
+
+
+@pytest.mark.slow
+def test_generate_json_is_one_object_scripts_can_use(capsys, loaded):
+    code, out, _ = _run(capsys, "generate", "The sky is", "--raw", "--max-tokens", "5", "--json")
+    assert code == 0
+    payload = json.loads(out)
+    assert payload["completion_tokens"] == len(payload["token_ids"]) == 5
+    assert payload["finish_reason"] == "length"
+    assert {"text", "ttft_s", "tpot_s", "tokens_per_s", "seed", "engine"} <= payload.keys()
+
+
+@pytest.mark.slow
+def test_generate_accepts_chat_messages_as_json(capsys, loaded):
+    messages = json.dumps([{"role": "system", "content": "Answer in one word."},
+                           {"role": "user", "content": "What is the capital of France?"}])
+    code, out, _ = _run(capsys, "generate", "--messages", messages, "--max-tokens", "10", "--json")
+    assert code == 0 and "Paris" in json.loads(out)["text"]
+
+
+@pytest.mark.slow
+def test_seeded_sampling_from_the_cli_reproduces(capsys, loaded):
+    args = ("generate", "Tell me a story", "--temperature", "0.8", "--top-p", "0.9", "--seed", "3",
+            "--max-tokens", "8", "--json")
+    first = json.loads(_run(capsys, *args)[1])
+    second = json.loads(_run(capsys, *args)[1])
+    assert first["token_ids"] == second["token_ids"] and first["seed"] == 3
+
+
+@pytest.mark.parametrize(
+    ("argv", "hint"),
+    [
+        (["--max-tokens", "-3"], "max_tokens: Input should be greater than or equal to 1 (got -3)"),
+        (["--temperature", "-1"], "sampling.temperature: Input should be greater than or equal to 0"),
+        (["--top-p", "0"], "sampling.top_p: Input should be greater than 0"),
+        (["--top-p", "1.5"], "sampling.top_p: Input should be less than or equal to 1"),
+        (["--dtype", "float16"], "unknown dtype 'float16': use one of float32, bfloat16"),
+        (["--model", "/no/such/model"], "model path '/no/such/model' does not exist"),
+        (["--messages", "[{\"role\": \"user\"}]"], "messages.0.content: Field required"),
+        (["--messages", "not json"], "neither a JSON list, an existing file, nor -"),
+        (["--raw", "--system", "be brief"], "--system needs the chat template: drop --raw"),
+    ],
+)
+def test_bad_generate_arguments_exit_2_with_what_to_change(capsys, argv, hint):
+    prompt = [] if "--messages" in argv else ["hello"]
+    code, _, err = _run(capsys, "generate", *prompt, *argv)
+    assert code == 2
+    assert hint in err
+
+
+def test_missing_prompt_is_explained(capsys):
+    code, _, err = _run(capsys, "generate")
+    assert code == 2 and "give a prompt" in err
+
+
+def test_console_script_is_installed():
+    result = subprocess.run([sys.executable, "-m", "router.cli", "--help"], capture_output=True, text=True)
+    assert result.returncode == 0
+    assert all(command in result.stdout for command in ("setup", "generate", "bench"))
