@@ -4,14 +4,17 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 PROMPT ?= What is the capital of France?
+# Where this project is set up, pip finds torch 2.13.0's CPU wheel locally. Elsewhere point pip at
+# a CPU build, e.g. make test TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu"
+TORCH_PIP_ARGS ?=
 
 .PHONY: install model run test lint bench clean
 
-# torch goes in first and pinned: pip then takes the local CPU wheel instead of
-# resolving a bare `torch` requirement to a multi-GB CUDA build.
+# torch goes in first and pinned, so the project's `torch>=2.4` is already satisfied and pip
+# never resolves a bare `torch` requirement to a multi-GB CUDA build.
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet $(TORCH_PIP_ARGS) torch==2.13.0
 	$(BIN)/pip install --quiet -e '.[dev]'
 	touch $@
 

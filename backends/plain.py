@@ -13,8 +13,9 @@ from collections.abc import Sequence
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
-from .generation import GenerationRequest, GenerationResult, SequenceState
+from .generation import GenerationRequest, GenerationResult, RequestError, SequenceState
 from .models import LoadedModel
 from .sampling import new_generator, sample_tokens
 
@@ -90,7 +91,7 @@ class PlainEngine:
 
     def _check_context(self, prompt_tokens: int, max_tokens: int) -> None:
         if self.context_length and prompt_tokens + max_tokens > self.context_length:
-            raise ValueError(
+            raise RequestError(
                 f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) exceeds the model's context "
                 f"of {self.context_length} tokens: shorten the prompt or lower max_tokens"
             )
@@ -128,7 +129,9 @@ def drop_finished_rows(
     cache.batch_select_indices(index)
     mask, positions, tokens = mask[index], positions[index], tokens[index]
     first_used = int(mask.any(dim=0).nonzero()[0])
-    if first_used > 0:
+    # Sliding-window and linear-attention layers keep extra state a column slice would desync.
+    plain_layers = all(type(layer) is DynamicLayer for layer in cache.layers)
+    if first_used > 0 and plain_layers:
         # A long prompt that finished leaves left padding every other row would keep attending over.
         for layer in cache.layers:
             layer.keys = layer.keys[:, :, first_used:]

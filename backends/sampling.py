@@ -20,10 +20,10 @@ class SamplingParams(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    temperature: float = Field(0.0, ge=0.0, description="0 = greedy; higher flattens p")
+    temperature: float = Field(0.0, ge=0.0, allow_inf_nan=False, description="0 = greedy; higher flattens p")
     top_k: int = Field(0, ge=0, description="keep the k most likely tokens; 0 = no limit")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="keep the smallest set with this much mass")
-    seed: int | None = Field(None, ge=0, description="seeds this request's own generator")
+    seed: int | None = Field(None, ge=0, le=2**63 - 1, description="seeds this request's own generator")
 
     @property
     def greedy(self) -> bool:
@@ -80,7 +80,9 @@ def draw(probs: torch.Tensor, generators: Sequence[torch.Generator]) -> torch.Te
     # Scale by the row total: float rounding can leave it a hair under 1.
     targets = (uniforms * cdf[:, -1]).unsqueeze(1)
     tokens = torch.searchsorted(cdf, targets, right=True).squeeze(1)
-    return tokens.clamp_(max=probs.shape[-1] - 1)
+    # Rounding could still land past the end; fall back to the last token p allows, never a zero one.
+    last_allowed = (probs > 0).cumsum(dim=-1).argmax(dim=-1)
+    return torch.minimum(tokens, last_allowed)
 
 
 def _one_hot_argmax(logits: torch.Tensor) -> torch.Tensor:
@@ -91,19 +93,22 @@ def _one_hot_argmax(logits: torch.Tensor) -> torch.Tensor:
 def _filtered_softmax(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     """softmax(logits / T) restricted to each row's top-k and top-p set, renormalised."""
     temperature = torch.tensor([p.temperature for p in params], device=logits.device).unsqueeze(1)
-    scaled = logits / temperature
+    # Shift by the max first: the top logit stays 0, so a tiny temperature gives -inf elsewhere
+    # (the greedy limit) instead of inf - inf = NaN.
+    scaled = (logits - logits.max(dim=-1, keepdim=True).values) / temperature
     if all(p.top_k == 0 and p.top_p == 1.0 for p in params):
         return torch.softmax(scaled, dim=-1)
     vocab = scaled.shape[-1]
     top_k = torch.tensor([p.top_k or vocab for p in params], device=logits.device).unsqueeze(1)
-    top_p = torch.tensor([p.top_p for p in params], device=logits.device).unsqueeze(1)
+    top_p = torch.tensor([p.top_p for p in params], device=logits.device, dtype=torch.float64).unsqueeze(1)
     sorted_logits, order = scaled.sort(dim=-1, descending=True)
     ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
     removed = ranks >= top_k
-    sorted_probs = torch.softmax(sorted_logits.masked_fill(removed, float("-inf")), dim=-1)
+    sorted_probs = torch.softmax(sorted_logits.masked_fill(removed, float("-inf")), dim=-1).double()
     # Drop a token once the mass strictly before it already reaches top_p; the first always stays.
+    # Rows with top_p = 1 skip this: rounding can bring their running mass to 1 before the tail.
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-    removed |= mass_before >= top_p
+    removed |= (mass_before >= top_p) & (top_p < 1.0)
     removed[:, 0] = False
     mask = torch.zeros_like(removed).scatter_(-1, order, removed)
     return torch.softmax(scaled.masked_fill(mask, float("-inf")), dim=-1)

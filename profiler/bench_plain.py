@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Annotated
 
 from pydantic import BaseModel, Field
 from tqdm import tqdm
@@ -31,7 +32,7 @@ class BenchPlainConfig(BaseModel):
     device: str = "cpu"
     threads: int | None = Field(None, ge=1)
     max_tokens: int = Field(48, ge=2, le=4096)
-    batch_sizes: list[int] = Field(default_factory=lambda: [1, 4, 16, 64], min_length=1)
+    batch_sizes: list[Annotated[int, Field(ge=1)]] = Field(default_factory=lambda: [1, 4, 16, 64], min_length=1)
     rounds: int = Field(3, ge=1)
 
 

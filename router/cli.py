@@ -18,14 +18,28 @@ if TYPE_CHECKING:
 DEFAULT_PROMPT_HELP = "sent as one user chat message unless --raw is given"
 
 
+class UsageError(ValueError):
+    """Command-line arguments that do not fit together; the message says what to change."""
+
+
+def _user_errors() -> tuple[type[Exception], ...]:
+    # Errors a user can cause and fix; anything else is a bug and keeps its traceback.
+    from backends.embedded import ModelSetupError
+    from backends.generation import RequestError
+    from backends.models import ModelLoadError
+
+    return UsageError, ModelSetupError, ModelLoadError, RequestError
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    user_errors = _user_errors()
     try:
         return args.handler(args)
     except ValidationError as exc:
         print(f"error: invalid request:\n{format_validation_error(exc)}", file=sys.stderr)
-    except ValueError as exc:  # ModelLoadError and engine argument errors are ValueErrors
+    except user_errors as exc:
         print(f"error: {exc}", file=sys.stderr)
     return 2
 
@@ -90,6 +104,7 @@ def run_generate(args: argparse.Namespace) -> int:
     from backends.plain import PlainEngine
 
     request = GenerationRequest(**_request_fields(args))
+    _quiet_model_loading()
     engine = PlainEngine(load_model(args.model, args.dtype, args.device, args.threads))
     result = engine.generate([request])[0]
     if args.json:
@@ -112,9 +127,17 @@ def run_bench_plain(args: argparse.Namespace) -> int:
         batch_sizes=_int_list(args.batches, "--batches"),
         rounds=args.rounds,
     )
+    _quiet_model_loading()
     report = run_bench_plain(config)
     print(report.model_dump_json(indent=2) if args.json else render_report(report))
     return 0
+
+
+def _quiet_model_loading() -> None:
+    """A converted model loads in ~0.1 s: its weight-loading progress bar is only noise on stderr."""
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()
 
 
 def _request_fields(args: argparse.Namespace) -> dict[str, object]:
@@ -125,13 +148,13 @@ def _request_fields(args: argparse.Namespace) -> dict[str, object]:
     }
     if args.messages is not None:
         if args.prompt is not None:
-            raise ValueError("give either a prompt or --messages, not both")
+            raise UsageError("give either a prompt or --messages, not both")
         fields["messages"] = _read_messages(args.messages)
     elif args.prompt is None:
-        raise ValueError("give a prompt (e.g. specroute generate \"What is the capital of France?\") or --messages")
+        raise UsageError("give a prompt (e.g. specroute generate \"What is the capital of France?\") or --messages")
     elif args.raw:
         if args.system:
-            raise ValueError("--system needs the chat template: drop --raw")
+            raise UsageError("--system needs the chat template: drop --raw")
         fields["prompt"] = args.prompt
     else:
         system = [{"role": "system", "content": args.system}] if args.system else []
@@ -147,18 +170,18 @@ def _read_messages(source: str) -> object:
     elif Path(source).is_file():
         text = Path(source).read_text()
     else:
-        raise ValueError(f"--messages '{source}' is neither a JSON list, an existing file, nor -")
+        raise UsageError(f"--messages '{source}' is neither a JSON list, an existing file, nor -")
     try:
         return json.loads(text)
     except json.JSONDecodeError as exc:
-        raise ValueError(f"--messages is not valid JSON ({exc}): pass a list of {{role, content}} objects") from exc
+        raise UsageError(f"--messages is not valid JSON ({exc}): pass a list of {{role, content}} objects") from exc
 
 
 def _int_list(text: str, flag: str) -> list[int]:
     try:
         return [int(part) for part in text.split(",") if part.strip()]
     except ValueError as exc:
-        raise ValueError(f"{flag} takes comma-separated integers, e.g. 1,4,16 (got '{text}')") from exc
+        raise UsageError(f"{flag} takes comma-separated integers, e.g. 1,4,16 (got '{text}')") from exc
 
 
 def format_validation_error(exc: ValidationError) -> str:

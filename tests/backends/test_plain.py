@@ -65,6 +65,14 @@ def test_long_prompt_leaving_first_does_not_disturb_the_short_ones(engine):
         assert result.token_ids == engine.generate([request])[0].token_ids
 
 
+def test_rows_that_all_finish_in_the_same_step_end_the_batch(engine):
+    requests = [GenerationRequest(prompt=p, max_tokens=1) for p in VARIED_PROMPTS[:3]]
+    batched = engine.generate(requests)
+    assert [r.completion_tokens for r in batched] == [1, 1, 1]
+    assert [r.token_ids for r in batched] == [engine.generate([q])[0].token_ids for q in requests]
+    assert all(r.finish_reason == "length" and r.tpot_s == 0.0 for r in batched)
+
+
 def test_stop_string_ends_generation_and_is_not_returned(engine):
     free = engine.generate([GenerationRequest(prompt="1, 2, 3, 4,", max_tokens=20)])[0]
     assert " 7" in free.text

@@ -64,17 +64,52 @@ def test_three_dimensional_logits_apply_each_rows_settings_at_every_position():
     torch.testing.assert_close(probs[1], torch.softmax(logits[1], -1))
 
 
-@pytest.mark.parametrize(
-    "params", [SamplingParams(temperature=1.5, top_k=4), SamplingParams(temperature=2.0, top_p=0.8)]
-)
-def test_filtered_sampling_never_emits_a_token_outside_the_allowed_set(params):
-    logits = _logits(rows=1)
-    allowed = set((target_probs(logits, [params])[0] > 0).nonzero().squeeze(1).tolist())
-    assert 1 < len(allowed) < VOCAB
-    generator, _ = new_generator(7)
-    drawn = {int(sample_tokens(logits, [params], [generator])) for _ in range(2000)}
-    assert drawn <= allowed
-    assert len(drawn) > 1
+def _allowed_by_definition(logits: torch.Tensor, params: SamplingParams) -> set[int]:
+    """The top-k then top-p set, computed straight from the definitions in float64."""
+    order = logits.double().argsort(descending=True)
+    if params.top_k:
+        order = order[: params.top_k]
+    probs = torch.softmax(logits.double()[order] / params.temperature, -1)
+    needed = int((probs.cumsum(0) < params.top_p).sum()) + 1 if params.top_p < 1 else len(order)
+    return set(order[:needed].tolist())
+
+
+def test_filtered_sampling_never_emits_a_token_outside_the_allowed_set():
+    params = [
+        SamplingParams(temperature=1.5, top_k=4),
+        SamplingParams(temperature=2.0, top_p=0.8),
+        SamplingParams(temperature=1.0, top_k=10, top_p=0.6),
+        SamplingParams(temperature=1.0),
+    ]
+    logits = _logits(rows=len(params))
+    allowed = [_allowed_by_definition(logits[row], p) for row, p in enumerate(params)]
+    assert all(1 < len(a) for a in allowed) and len(allowed[3]) == VOCAB
+    generators = [new_generator(seed)[0] for seed in range(len(params))]
+    drawn = [set() for _ in params]
+    for _ in range(1500):
+        for row, token in enumerate(sample_tokens(logits, params, generators).tolist()):
+            drawn[row].add(token)
+    for row in range(len(params)):
+        assert drawn[row] <= allowed[row]
+        assert len(drawn[row]) > 1
+
+
+def test_a_rows_distribution_does_not_depend_on_its_batch_neighbours():
+    logits = torch.randn(2, 49152, generator=torch.Generator().manual_seed(1))
+    unfiltered = SamplingParams(temperature=1.0)
+    alone = target_probs(logits[:1], [unfiltered])
+    beside_filtered = target_probs(logits, [unfiltered, SamplingParams(temperature=1.0, top_p=0.5)])
+    assert int((beside_filtered[0] > 0).sum()) == 49152
+    torch.testing.assert_close(beside_filtered[0], alone[0])
+
+
+def test_a_vanishing_temperature_tends_to_greedy_without_nan():
+    logits = _logits(rows=2)
+    probs = target_probs(logits, [SamplingParams(temperature=1e-45)] * 2)
+    assert not probs.isnan().any()
+    generator, _ = new_generator(0)
+    tokens = sample_tokens(logits, [SamplingParams(temperature=1e-45)] * 2, [generator, generator])
+    assert torch.equal(tokens, logits.argmax(-1))
 
 
 def test_draw_matches_the_distribution_chi_square():
@@ -119,6 +154,8 @@ def test_unseeded_generators_get_fresh_seeds():
         ("top_p", 1.5, "less than or equal to 1"),
         ("top_k", -1, "greater than or equal to 0"),
         ("seed", -3, "greater than or equal to 0"),
+        ("seed", 2**64, "less than or equal to 9223372036854775807"),
+        ("temperature", float("inf"), "finite number"),
     ],
 )
 def test_bad_sampling_settings_name_the_field_and_the_bound(field, value, hint):

@@ -27,3 +27,5 @@ def test_bench_config_rejects_nonsense():
         BenchPlainConfig(max_tokens=1)
     with pytest.raises(ValidationError, match="batch_sizes"):
         BenchPlainConfig(batch_sizes=[])
+    with pytest.raises(ValidationError, match="batch_sizes.1"):
+        BenchPlainConfig(batch_sizes=[4, 0])

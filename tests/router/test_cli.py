@@ -1,6 +1,7 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -40,6 +41,14 @@ def test_generate_accepts_chat_messages_as_json(capsys, loaded):
 
 
 @pytest.mark.slow
+def test_generate_reads_chat_messages_from_a_file(capsys, loaded, tmp_path):
+    path = tmp_path / "chat.json"
+    path.write_text(json.dumps([{"role": "user", "content": "What is the capital of France?"}]))
+    code, out, _ = _run(capsys, "generate", "--messages", str(path), "--max-tokens", "10")
+    assert code == 0 and "Paris" in out
+
+
+@pytest.mark.slow
 def test_seeded_sampling_from_the_cli_reproduces(capsys, loaded):
     args = ("generate", "Tell me a story", "--temperature", "0.8", "--top-p", "0.9", "--seed", "3",
             "--max-tokens", "8", "--json")
@@ -75,6 +84,7 @@ def test_missing_prompt_is_explained(capsys):
 
 
 def test_console_script_is_installed():
-    result = subprocess.run([sys.executable, "-m", "router.cli", "--help"], capture_output=True, text=True)
+    script = Path(sys.executable).parent / "specroute"
+    result = subprocess.run([str(script), "--help"], capture_output=True, text=True)
     assert result.returncode == 0
     assert all(command in result.stdout for command in ("setup", "generate", "bench"))
