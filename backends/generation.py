@@ -20,10 +20,6 @@ from .sampling import SamplingParams
 FinishReason = Literal["stop", "length"]
 
 
-class RequestError(ValueError):
-    """A request the engine cannot serve as given; the message says what to change."""
-
-
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
 

@@ -11,14 +11,11 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from .embedded import EMBEDDED_NAME, embedded_model_dir, embedded_model_ready
+from .errors import ModelLoadError
 
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 DEVICES = ("cpu", "cuda")
 EMBEDDED_ALIASES = ("embedded", "default")
-
-
-class ModelLoadError(ValueError):
-    """A model could not be loaded; the message says what to change."""
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,8 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from .generation import GenerationRequest, GenerationResult, RequestError, SequenceState
+from .errors import RequestError
+from .generation import GenerationRequest, GenerationResult, SequenceState
 from .models import LoadedModel
 from .sampling import new_generator, sample_tokens
 

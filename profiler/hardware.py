@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import platform
 import time
+from collections.abc import Callable
 from importlib.metadata import version
 
 import torch
@@ -43,14 +44,7 @@ def measure_copy_bandwidth(megabytes: int = 256, repeats: int = 5, device: str =
     src = torch.ones(elements, dtype=torch.float32, device=device)
     dst = torch.empty_like(src)
     dst.copy_(src)  # first touch pages outside the timed region
-    best = float("inf")
-    for _ in range(repeats):
-        _sync(device)
-        start = time.perf_counter()
-        dst.copy_(src)
-        _sync(device)
-        best = min(best, time.perf_counter() - start)
-    return 2 * src.numel() * src.element_size() / best
+    return 2 * src.numel() * src.element_size() / _best_seconds(lambda: dst.copy_(src), repeats, device)
 
 
 def measure_matvec_bandwidth(weight: torch.Tensor, repeats: int = 10) -> float:
@@ -61,15 +55,21 @@ def measure_matvec_bandwidth(weight: torch.Tensor, repeats: int = 10) -> float:
     """
     x = torch.randn(1, weight.shape[1], dtype=weight.dtype, device=weight.device)
     with torch.inference_mode():
-        torch.nn.functional.linear(x, weight)
-        best = float("inf")
-        for _ in range(repeats):
-            _sync(weight.device.type)
-            start = time.perf_counter()
-            torch.nn.functional.linear(x, weight)
-            _sync(weight.device.type)
-            best = min(best, time.perf_counter() - start)
-    return weight.numel() * weight.element_size() / best
+        torch.nn.functional.linear(x, weight)  # warm-up outside the timed region
+        seconds = _best_seconds(lambda: torch.nn.functional.linear(x, weight), repeats, weight.device.type)
+    return weight.numel() * weight.element_size() / seconds
+
+
+def _best_seconds(run: Callable[[], object], repeats: int, device: str) -> float:
+    """Fastest of `repeats` timed calls: the least disturbed by whatever else the machine does."""
+    best = float("inf")
+    for _ in range(repeats):
+        _sync(device)
+        start = time.perf_counter()
+        run()
+        _sync(device)
+        best = min(best, time.perf_counter() - start)
+    return best
 
 
 def _sync(device: str) -> None:

@@ -12,34 +12,26 @@ from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
 
+from backends.errors import UserError
+
 if TYPE_CHECKING:
     from backends.generation import GenerationResult
 
 DEFAULT_PROMPT_HELP = "sent as one user chat message unless --raw is given"
 
 
-class UsageError(ValueError):
-    """Command-line arguments that do not fit together; the message says what to change."""
-
-
-def _user_errors() -> tuple[type[Exception], ...]:
-    # Errors a user can cause and fix; anything else is a bug and keeps its traceback.
-    from backends.embedded import ModelSetupError
-    from backends.generation import RequestError
-    from backends.models import ModelLoadError
-
-    return UsageError, ModelSetupError, ModelLoadError, RequestError
+class UsageError(UserError):
+    """Command-line arguments that do not fit together."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    user_errors = _user_errors()
     try:
         return args.handler(args)
     except ValidationError as exc:
         print(f"error: invalid request:\n{format_validation_error(exc)}", file=sys.stderr)
-    except user_errors as exc:
+    except UserError as exc:  # anything else is a bug and keeps its traceback
         print(f"error: {exc}", file=sys.stderr)
     return 2
 
