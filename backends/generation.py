@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from transformers import PreTrainedTokenizerBase
 
 from .sampling import SamplingParams
+from .speculative.stats import SpeculationStats
 
 FinishReason = Literal["stop", "length"]
 
@@ -67,6 +68,7 @@ class GenerationResult(BaseModel):
     ttft_s: float = Field(description="request start to first generated token (includes prefill)")
     tpot_s: float = Field(description="mean time per output token after the first")
     seed: int = Field(description="seed of this request's generator (reuse it to reproduce a sample)")
+    speculation: SpeculationStats | None = Field(None, description="drafting and acceptance, when speculative")
 
     @property
     def tokens_per_s(self) -> float:

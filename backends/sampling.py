@@ -47,6 +47,8 @@ def target_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torc
         batch, steps, vocab = logits.shape
         flat = target_probs(logits.reshape(batch * steps, vocab), [p for p in params for _ in range(steps)])
         return flat.reshape(batch, steps, vocab)
+    if len(params) != logits.shape[0]:
+        raise ValueError(f"one SamplingParams per row: got {len(params)} for {logits.shape[0]} rows")
     logits = logits.float()
     probs = torch.empty_like(logits)
     greedy = torch.tensor([p.greedy for p in params], device=logits.device)
@@ -73,9 +75,9 @@ def draw(probs: torch.Tensor, generators: Sequence[torch.Generator]) -> torch.Te
 
     Zero-probability tokens are never drawn: a searchsorted hit needs cdf[i] > u > cdf[i-1].
     """
-    uniforms = torch.stack(
-        [torch.rand((), generator=g, device=g.device, dtype=torch.float64) for g in generators]
-    ).to(probs.device)
+    uniforms = torch.stack([torch.rand((), generator=g, device=g.device, dtype=torch.float64) for g in generators]).to(
+        probs.device
+    )
     cdf = probs.double().cumsum(dim=-1)
     # Scale by the row total: float rounding can leave it a hair under 1.
     targets = (uniforms * cdf[:, -1]).unsqueeze(1)
@@ -101,8 +103,12 @@ def _filtered_softmax(logits: torch.Tensor, params: Sequence[SamplingParams]) ->
     vocab = scaled.shape[-1]
     top_k = torch.tensor([p.top_k or vocab for p in params], device=logits.device).unsqueeze(1)
     top_p = torch.tensor([p.top_p for p in params], device=logits.device, dtype=torch.float64).unsqueeze(1)
-    sorted_logits, order = scaled.sort(dim=-1, descending=True)
-    ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
+    if all(p.top_k for p in params):
+        # Only the top_k best can survive: rank those few instead of sorting the whole vocabulary.
+        sorted_logits, order = scaled.topk(min(int(top_k.max()), vocab), dim=-1)
+    else:
+        sorted_logits, order = scaled.sort(dim=-1, descending=True)
+    ranks = torch.arange(sorted_logits.shape[-1], device=logits.device).unsqueeze(0)
     removed = ranks >= top_k
     sorted_probs = torch.softmax(sorted_logits.masked_fill(removed, float("-inf")), dim=-1).double()
     # Drop a token once the mass strictly before it already reaches top_p; the first always stays.
@@ -110,5 +116,5 @@ def _filtered_softmax(logits: torch.Tensor, params: Sequence[SamplingParams]) ->
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
     removed |= (mass_before >= top_p) & (top_p < 1.0)
     removed[:, 0] = False
-    mask = torch.zeros_like(removed).scatter_(-1, order, removed)
+    mask = torch.ones_like(scaled, dtype=torch.bool).scatter_(-1, order, removed)
     return torch.softmax(scaled.masked_fill(mask, float("-inf")), dim=-1)

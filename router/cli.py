@@ -42,14 +42,18 @@ def build_parser() -> argparse.ArgumentParser:
     setup = commands.add_parser("setup", help="fetch and convert the embedded default model (once)")
     setup.add_argument("--force", action="store_true", help="download and convert again")
     setup.set_defaults(handler=run_setup)
-    generate = commands.add_parser("generate", help="generate a completion with the plain engine")
+    generate = commands.add_parser("generate", help="generate a completion (plain, or speculative with a drafter)")
     _add_generate_args(generate)
+    _add_speculative_args(generate)
     generate.set_defaults(handler=run_generate)
     bench = commands.add_parser("bench", help="benchmarks that print side-by-side ratios")
     benches = bench.add_subparsers(dest="bench", required=True)
     plain = benches.add_parser("plain", help="plain engine vs transformers generate; batch scaling; bandwidth")
     _add_bench_plain_args(plain)
     plain.set_defaults(handler=run_bench_plain)
+    spec = benches.add_parser("spec", help="speculative vs plain per prompt category, and vs transformers")
+    _add_bench_spec_args(spec)
+    spec.set_defaults(handler=run_bench_spec)
     return parser
 
 
@@ -75,11 +79,41 @@ def _add_generate_args(parser: argparse.ArgumentParser) -> None:
     _add_model_args(parser)
 
 
+def _add_speculative_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("speculative decoding")
+    group.add_argument(
+        "--speculative", choices=["ngram", "model", "early-exit"], help="draft with this drafter (default: plain)"
+    )
+    group.add_argument("--k", default="auto", help="drafted tokens per step: an integer, or auto (default)")
+    group.add_argument("--k-max", type=int, default=8, help="largest k that --k auto may choose")
+    group.add_argument("--ngram-max", type=int, default=4, help="ngram: longest suffix n-gram to look up")
+    group.add_argument("--ngram-min", type=int, default=2, help="ngram: shortest suffix n-gram to accept")
+    group.add_argument("--draft-model", default="embedded", help="model: the draft model (same tokenizer)")
+    group.add_argument("--draft-dtype", default="bfloat16", help="model: float32 or bfloat16")
+    group.add_argument("--exit-layer", type=int, default=4, help="early-exit: target layers used to draft")
+
+
 def _add_bench_plain_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=48, help="tokens generated per request")
     parser.add_argument("--batches", default="1,4,16,64", help="comma-separated batch sizes")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of ours vs generate")
     parser.add_argument("--json", action="store_true", help="print the results as one JSON object")
+    _add_model_args(parser)
+
+
+def _add_bench_spec_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--max-tokens", type=int, default=96, help="upper bound per request (EOS ends earlier)")
+    parser.add_argument("--categories", help="comma-separated categories (default: all)")
+    parser.add_argument("--prompts", type=int, default=3, help="prompts per category")
+    parser.add_argument("--drafters", default="ngram,model,early-exit", help="comma-separated drafters")
+    parser.add_argument("--fixed-k", type=int, default=4, help="the fixed k each drafter also runs at")
+    parser.add_argument("--k-max", type=int, default=8, help="largest k that auto may choose")
+    parser.add_argument("--draft-model", default="embedded", help="model drafter: the draft model")
+    parser.add_argument("--draft-dtype", default="bfloat16", help="model drafter: float32 or bfloat16")
+    parser.add_argument("--exit-layer", type=int, default=4, help="early-exit drafter: layers used")
+    parser.add_argument("--no-transformers", action="store_true", help="skip transformers' assisted generation")
+    parser.add_argument("--out", default="bench-spec.json", help="where the JSON results go ('-' for none)")
+    parser.add_argument("--json", action="store_true", help="print the JSON instead of the tables")
     _add_model_args(parser)
 
 
@@ -93,18 +127,54 @@ def run_setup(args: argparse.Namespace) -> int:
 def run_generate(args: argparse.Namespace) -> int:
     from backends.generation import GenerationRequest
     from backends.models import load_model
-    from backends.plain import PlainEngine
 
     request = GenerationRequest(**_request_fields(args))
     _quiet_model_loading()
-    engine = PlainEngine(load_model(args.model, args.dtype, args.device, args.threads))
+    loaded = load_model(args.model, args.dtype, args.device, args.threads)
+    engine = _engine(args, loaded)
     result = engine.generate([request])[0]
+    label = "plain" if args.speculative is None else f"speculative {args.speculative}"
     if args.json:
-        print(json.dumps({**result.model_dump(), "tokens_per_s": result.tokens_per_s, "engine": "plain"}))
+        payload = {**result.model_dump(), "tokens_per_s": result.tokens_per_s, "engine": label}
+        print(json.dumps(payload))
     else:
         print(result.text)
-        print(timing_line(result), file=sys.stderr)
+        print(timing_line(result, label), file=sys.stderr)
+        if result.speculation is not None:
+            print(result.speculation.summary(), file=sys.stderr)
     return 0
+
+
+def _engine(args: argparse.Namespace, loaded: object) -> object:
+    """The plain engine, or the speculative one with the drafter the flags describe."""
+    from backends.plain import PlainEngine
+
+    if args.speculative is None:
+        return PlainEngine(loaded)
+    from backends.speculative.engine import SpeculativeEngine
+    from backends.speculative.factory import DrafterConfig, build_drafter
+
+    drafter_config = DrafterConfig(
+        kind=args.speculative,
+        ngram_max=args.ngram_max,
+        ngram_min=args.ngram_min,
+        draft_model=args.draft_model,
+        draft_dtype=args.draft_dtype,
+        exit_layer=args.exit_layer,
+    )
+    return SpeculativeEngine(loaded, build_drafter(drafter_config, loaded), k=parse_k(args.k), k_max=args.k_max)
+
+
+def parse_k(text: str) -> int | str:
+    if text == "auto":
+        return "auto"
+    try:
+        k = int(text)
+    except ValueError:
+        k = -1
+    if k < 0:
+        raise UsageError(f"--k takes a non-negative integer or 'auto' (got '{text}')")
+    return k
 
 
 def run_bench_plain(args: argparse.Namespace) -> int:
@@ -125,6 +195,38 @@ def run_bench_plain(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_bench_spec(args: argparse.Namespace) -> int:
+    from backends.speculative.factory import DrafterConfig
+    from profiler.bench_spec import BenchSpecConfig, render_report, run_bench_spec
+
+    config = BenchSpecConfig(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        threads=args.threads,
+        max_tokens=args.max_tokens,
+        categories=_str_list(args.categories) if args.categories else None,
+        prompts_per_category=args.prompts,
+        drafters=_str_list(args.drafters),
+        fixed_k=args.fixed_k,
+        k_max=args.k_max,
+        drafter=DrafterConfig(draft_model=args.draft_model, draft_dtype=args.draft_dtype, exit_layer=args.exit_layer),
+        transformers=not args.no_transformers,
+    )
+    _quiet_model_loading()
+    report = run_bench_spec(config)
+    if args.out != "-":
+        Path(args.out).write_text(report.model_dump_json(indent=2))
+    print(report.model_dump_json(indent=2) if args.json else render_report(report))
+    if args.out != "-" and not args.json:
+        print(f"\nresults written to {args.out}")
+    return 0
+
+
+def _str_list(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
 def _quiet_model_loading() -> None:
     """A converted model loads in ~0.1 s: its weight-loading progress bar is only noise on stderr."""
     from transformers.utils import logging
@@ -143,7 +245,7 @@ def _request_fields(args: argparse.Namespace) -> dict[str, object]:
             raise UsageError("give either a prompt or --messages, not both")
         fields["messages"] = _read_messages(args.messages)
     elif args.prompt is None:
-        raise UsageError("give a prompt (e.g. specroute generate \"What is the capital of France?\") or --messages")
+        raise UsageError('give a prompt (e.g. specroute generate "What is the capital of France?") or --messages')
     elif args.raw:
         if args.system:
             raise UsageError("--system needs the chat template: drop --raw")
@@ -192,6 +294,7 @@ def timing_line(r: GenerationResult, label: str = "plain") -> str:
         f"TTFT {r.ttft_s * 1e3:.1f} ms · {r.tpot_s * 1e3:.1f} ms/token · "
         f"{r.tokens_per_s:.1f} tok/s · finish={r.finish_reason}"
     )
+
 
 if __name__ == "__main__":
     sys.exit(main())

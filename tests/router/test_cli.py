@@ -34,8 +34,12 @@ def test_generate_json_is_one_object_scripts_can_use(capsys, loaded):
 
 @pytest.mark.slow
 def test_generate_accepts_chat_messages_as_json(capsys, loaded):
-    messages = json.dumps([{"role": "system", "content": "Answer in one word."},
-                           {"role": "user", "content": "What is the capital of France?"}])
+    messages = json.dumps(
+        [
+            {"role": "system", "content": "Answer in one word."},
+            {"role": "user", "content": "What is the capital of France?"},
+        ]
+    )
     code, out, _ = _run(capsys, "generate", "--messages", messages, "--max-tokens", "10", "--json")
     assert code == 0 and "Paris" in json.loads(out)["text"]
 
@@ -50,8 +54,19 @@ def test_generate_reads_chat_messages_from_a_file(capsys, loaded, tmp_path):
 
 @pytest.mark.slow
 def test_seeded_sampling_from_the_cli_reproduces(capsys, loaded):
-    args = ("generate", "Tell me a story", "--temperature", "0.8", "--top-p", "0.9", "--seed", "3",
-            "--max-tokens", "8", "--json")
+    args = (
+        "generate",
+        "Tell me a story",
+        "--temperature",
+        "0.8",
+        "--top-p",
+        "0.9",
+        "--seed",
+        "3",
+        "--max-tokens",
+        "8",
+        "--json",
+    )
     first = json.loads(_run(capsys, *args)[1])
     second = json.loads(_run(capsys, *args)[1])
     assert first["token_ids"] == second["token_ids"] and first["seed"] == 3
@@ -66,7 +81,7 @@ def test_seeded_sampling_from_the_cli_reproduces(capsys, loaded):
         (["--top-p", "1.5"], "sampling.top_p: Input should be less than or equal to 1"),
         (["--dtype", "float16"], "unknown dtype 'float16': use one of float32, bfloat16"),
         (["--model", "/no/such/model"], "model path '/no/such/model' does not exist"),
-        (["--messages", "[{\"role\": \"user\"}]"], "messages.0.content: Field required"),
+        (["--messages", '[{"role": "user"}]'], "messages.0.content: Field required"),
         (["--messages", "not json"], "neither a JSON list, an existing file, nor -"),
         (["--raw", "--system", "be brief"], "--system needs the chat template: drop --raw"),
     ],

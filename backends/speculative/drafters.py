@@ -1,0 +1,247 @@
+"""Drafters: strategies that propose the next k tokens of each sequence in a batch.
+
+The engine only calls `start`, `propose`, `observe` and `select`; it never looks inside.
+A proposal carries the tokens and, for drafters that sample, the distribution q each token was
+drawn from (None means deterministic: q is one-hot at the token).
+"""
+
+from __future__ import annotations
+
+import copy
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from transformers import PreTrainedModel
+
+from ..errors import ModelLoadError
+from ..sampling import SamplingParams, draw, target_probs
+from .kv import BatchedCache
+
+
+@dataclass
+class DraftRow:
+    """What a drafter may read about one sequence: prompt, tokens so far, how it samples."""
+
+    prompt_ids: list[int]
+    token_ids: list[int]
+    sampling: SamplingParams
+    generator: torch.Generator
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt_ids) + len(self.token_ids)
+
+    def context(self, start: int = 0) -> list[int]:
+        """Tokens from `start` on, without copying the whole prompt when only the tail is needed."""
+        split = len(self.prompt_ids)
+        if start >= split:
+            return self.token_ids[start - split :]
+        return self.prompt_ids[start:] + self.token_ids
+
+
+@dataclass
+class Proposal:
+    tokens: list[list[int]]  # per row, at most the k asked for (possibly none)
+    q: torch.Tensor | None = None  # (B, max k, V): q[b, j] is what tokens[b][j] was drawn from
+
+
+class Drafter(ABC):
+    name: str = "drafter"
+
+    def start(self, rows: Sequence[DraftRow]) -> None:  # noqa: B027 - optional hook
+        """A new batch begins; rows hold the prompt and the first generated token."""
+
+    @abstractmethod
+    def propose(self, rows: Sequence[DraftRow], ks: Sequence[int]) -> Proposal:
+        """Up to ks[b] tokens continuing row b. Draws randomness only from rows[b].generator,
+        and only for rows that sample and asked for tokens."""
+
+    def observe(self, accepted: Sequence[int]) -> None:  # noqa: B027 - optional hook
+        """How many of the last proposal's tokens each row accepted (roll back the rest)."""
+
+    def select(self, rows: Sequence[int]) -> None:  # noqa: B027 - optional hook
+        """Only these rows remain in the batch (the others finished)."""
+
+
+@dataclass
+class _NgramIndex:
+    """Latest end offset of every n-gram seen so far in one sequence, for each n."""
+
+    grams: dict[int, dict[tuple[int, ...], int]] = field(default_factory=dict)
+    indexed_to: int = 0  # n-grams ending at offsets < this are indexed
+
+
+class NgramDrafter(Drafter):
+    """Prompt lookup: find the longest suffix n-gram (n from max_n down to min_n) that occurred
+    earlier in the prompt or the output and propose what followed its latest occurrence.
+    Deterministic and nearly free; strong when the answer copies its input."""
+
+    name = "ngram"
+
+    def __init__(self, max_n: int = 4, min_n: int = 1):
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"need 1 <= min_n <= max_n (got min_n={min_n}, max_n={max_n})")
+        self.max_n, self.min_n = max_n, min_n
+        self.indexes: list[_NgramIndex] = []
+
+    def start(self, rows: Sequence[DraftRow]) -> None:
+        self.indexes = [_NgramIndex({n: {} for n in range(self.min_n, self.max_n + 1)}) for _ in rows]
+
+    def propose(self, rows: Sequence[DraftRow], ks: Sequence[int]) -> Proposal:
+        return Proposal([self._lookup(row, index, k) for row, index, k in zip(rows, self.indexes, ks, strict=True)])
+
+    def select(self, rows: Sequence[int]) -> None:
+        self.indexes = [self.indexes[r] for r in rows]
+
+    def _lookup(self, row: DraftRow, index: _NgramIndex, k: int) -> list[int]:
+        if k <= 0:
+            return []
+        context = row.context(max(0, index.indexed_to - self.max_n))
+        offset = row.length - len(context)
+        # Index n-grams ending before the last token: the suffix itself must not match itself.
+        for end in range(max(index.indexed_to, 1), row.length):
+            for n, grams in index.grams.items():
+                if end - n >= 0 and end - n >= offset:
+                    grams[tuple(context[end - n - offset : end - offset])] = end
+        index.indexed_to = max(index.indexed_to, row.length)
+        for n in range(self.max_n, self.min_n - 1, -1):
+            if n > row.length:
+                continue
+            end = index.grams[n].get(tuple(row.context(row.length - n)))
+            if end is not None:
+                return row.context(end)[:k]
+        return []
+
+
+class ModelDrafter(Drafter):
+    """A causal LM sharing the target's vocabulary drafts autoregressively with its own KV cache,
+    rolled back to the accepted prefix after each verification."""
+
+    name = "model"
+
+    def __init__(self, model: PreTrainedModel, pad_id: int, target_vocab: int):
+        vocab = model.get_output_embeddings().weight.shape[0]
+        if vocab != target_vocab:
+            raise ModelLoadError(
+                f"the draft model's vocabulary ({vocab} tokens) differs from the target's ({target_vocab}): "
+                "a drafter must share the target's tokenizer"
+            )
+        self.model, self.pad_id = model, pad_id
+        self.cache: BatchedCache | None = None
+        self.cached: list[list[int]] = []  # token ids whose keys/values sit in the cache, per row
+        self.synced: list[int] = []  # how many of them are known to equal the sequence's context
+        self.fed: list[int] = []
+
+    @torch.inference_mode()
+    def start(self, rows: Sequence[DraftRow]) -> None:
+        self.cache = BatchedCache(self.model, self.pad_id)
+        prompts = [row.context()[:-1] for row in rows]
+        self.cache.prefill(prompts)
+        self.cached = prompts
+        self.synced = [len(p) for p in prompts]
+
+    @torch.inference_mode()
+    def propose(self, rows: Sequence[DraftRow], ks: Sequence[int]) -> Proposal:
+        assert self.cache is not None, "start() comes first"
+        steps = max(ks)
+        if steps == 0:
+            return Proposal([[] for _ in rows])
+        pending = self._rollback_to_context(rows)
+        logits = self.cache.extend(pending)
+        last = torch.tensor([len(p) - 1 for p in pending], device=logits.device)
+        logits = logits[torch.arange(len(rows)), last]
+        tokens, dists = [], []
+        for step in range(steps):
+            token, q = self._draw(logits, rows, [step < k for k in ks])
+            tokens.append(token)
+            dists.append(q)
+            if step + 1 < steps:
+                logits = self.cache.extend([[t] for t in token.tolist()])[:, -1]
+        drafted = torch.stack(tokens, dim=1).tolist()
+        for b, row in enumerate(rows):
+            self.cached[b] = self.cached[b] + pending[b] + drafted[b][:-1]
+            self.synced[b] = row.length
+        q = None if dists[0] is None else torch.stack(dists, dim=1)
+        return Proposal([drafted[b][:k] for b, k in enumerate(ks)], q)
+
+    def observe(self, accepted: Sequence[int]) -> None:
+        """Roll the cache back to the context plus the accepted drafts."""
+        assert self.cache is not None
+        keep = [min(len(c), s + n) for c, s, n in zip(self.cached, self.synced, accepted, strict=True)]
+        self.cached = [c[:k] for c, k in zip(self.cached, keep, strict=True)]
+        self.cache.truncate(keep)
+
+    def select(self, rows: Sequence[int]) -> None:
+        assert self.cache is not None
+        self.cache.select(rows)
+        self.cached = [self.cached[r] for r in rows]
+        self.synced = [self.synced[r] for r in rows]
+
+    def _rollback_to_context(self, rows: Sequence[DraftRow]) -> list[list[int]]:
+        """Drop cached tokens past the longest prefix each row shares with its context; return
+        what each row still has to feed (never empty: the last token's logits start the draft)."""
+        assert self.cache is not None
+        keep = []
+        for b, row in enumerate(rows):
+            cached = self.cached[b]
+            base = min(self.synced[b], len(cached))
+            tail = row.context(base)
+            same = 0
+            while base + same < len(cached) and same < len(tail) and cached[base + same] == tail[same]:
+                same += 1
+            keep.append(min(base + same, row.length - 1))
+        if any(k < len(c) for k, c in zip(keep, self.cached, strict=True)):
+            self.cache.truncate(keep)
+            self.cached = [c[:k] for c, k in zip(self.cached, keep, strict=True)]
+        return [row.context(k) for row, k in zip(rows, keep, strict=True)]
+
+    def _draw(
+        self, logits: torch.Tensor, rows: Sequence[DraftRow], drawing: Sequence[bool]
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Next draft token per row and q (None when every row is greedy). Greedy rows, and rows
+        whose drafts are already complete, take the argmax and draw no random number."""
+        tokens = logits.argmax(dim=-1)
+        sampled = [b for b, row in enumerate(rows) if not row.sampling.greedy]
+        if not sampled:
+            return tokens, None
+        q = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
+        q[sampled] = target_probs(logits[sampled], [rows[b].sampling for b in sampled])
+        drawing_rows = [b for b in sampled if drawing[b]]
+        if drawing_rows:
+            tokens[drawing_rows] = draw(q[drawing_rows], [rows[b].generator for b in drawing_rows])
+        return tokens, q
+
+
+def early_exit_model(target: PreTrainedModel, layers: int) -> PreTrainedModel:
+    """The target's first `layers` decoder layers + its final norm + LM head, as a model object that
+    shares the target's weights (no copy): self-speculation without extra weight memory."""
+    decoder = getattr(target, "model", None)
+    total = len(getattr(decoder, "layers", []))
+    if not total:
+        raise ModelLoadError(f"early exit needs a decoder with .model.layers; {type(target).__name__} has none")
+    if not 1 <= layers < total:
+        raise ModelLoadError(
+            f"exit layer must be between 1 and {total - 1} for this {total}-layer target (got {layers})"
+        )
+    config = copy.deepcopy(target.config)
+    config.num_hidden_layers = layers
+    if getattr(config, "layer_types", None):
+        config.layer_types = config.layer_types[:layers]
+    shallow = _share_modules(target)
+    shallow.config = config
+    shallow.model = _share_modules(decoder)
+    shallow.model.config = config
+    shallow.model.layers = torch.nn.ModuleList(list(decoder.layers[:layers]))
+    return shallow
+
+
+def _share_modules(module: torch.nn.Module) -> torch.nn.Module:
+    """A new module object whose children, parameters and buffers are the original's own objects;
+    replacing a child on the copy leaves the original untouched."""
+    clone = copy.copy(module)
+    clone._modules = dict(module._modules)
+    clone._parameters = dict(module._parameters)
+    clone._buffers = dict(module._buffers)
+    return clone

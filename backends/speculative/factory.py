@@ -1,0 +1,55 @@
+"""Building a drafter from a small pydantic config: what the CLI and the service both use."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from ..errors import ModelLoadError
+from ..models import LoadedModel, load_model
+from .drafters import Drafter, ModelDrafter, NgramDrafter, early_exit_model
+
+DrafterKind = Literal["ngram", "model", "early-exit"]
+
+
+class DrafterConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: DrafterKind = "ngram"
+    ngram_max: int = Field(4, ge=1, le=16, description="longest suffix n-gram prompt lookup tries")
+    ngram_min: int = Field(2, ge=1, le=16, description="shortest suffix n-gram prompt lookup accepts")
+    draft_model: str = Field("embedded", description="model drafter: 'embedded', a directory, a .gguf or a HF id")
+    draft_dtype: Literal["float32", "bfloat16"] = Field("bfloat16", description="model drafter's dtype")
+    exit_layer: int = Field(4, ge=1, description="early exit: how many of the target's layers draft")
+
+    @model_validator(mode="after")
+    def _ngram_range(self) -> DrafterConfig:
+        if self.ngram_min > self.ngram_max:
+            raise ValueError(f"ngram_min ({self.ngram_min}) must not exceed ngram_max ({self.ngram_max})")
+        return self
+
+
+def build_drafter(config: DrafterConfig, target: LoadedModel) -> Drafter:
+    pad_id = target.tokenizer.pad_token_id
+    vocab = target.model.get_output_embeddings().weight.shape[0]
+    if config.kind == "ngram":
+        return NgramDrafter(max_n=config.ngram_max, min_n=config.ngram_min)
+    if config.kind == "early-exit":
+        drafter = ModelDrafter(early_exit_model(target.model, config.exit_layer), pad_id, vocab)
+        drafter.name = f"early-exit-{config.exit_layer}"
+        return drafter
+    draft = load_model(config.draft_model, dtype=config.draft_dtype, device=target.info.device)
+    if draft.info.name == target.info.name and draft.info.dtype == target.info.dtype:
+        raise ModelLoadError(
+            "the draft model is the target itself in the same dtype, which can never be faster: "
+            "pick a smaller model with the same tokenizer, or draft in bfloat16 (draft_dtype)"
+        )
+    if draft.tokenizer.get_vocab() != target.tokenizer.get_vocab():
+        raise ModelLoadError(
+            f"the draft model {config.draft_model!r} has a different tokenizer from the target: "
+            "a drafter must share the target's vocabulary"
+        )
+    drafter = ModelDrafter(draft.model, pad_id, vocab)
+    drafter.name = f"model:{draft.info.name}@{draft.info.dtype}"
+    return drafter

@@ -1,0 +1,118 @@
+"""A batched KV cache whose rows hold different numbers of valid tokens.
+
+Speculative steps accept a different number of drafted tokens in every row. Rather than
+re-padding the whole cache each step, rejected entries stay in place as *holes*: the attention
+mask hides them and every row keeps its own position counter, so a row attends to exactly its
+own valid tokens at exactly their positions. Trailing columns no row uses are cropped at once;
+when holes pile up the cache is compacted (each row's valid entries gathered to the right).
+At batch 1 no hole ever survives: the cache is simply cropped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+from transformers.cache_utils import DynamicLayer
+
+from ..errors import ModelLoadError
+from ..plain import left_pad, position_ids
+
+# Compact once holes make up this share of the cache width (and at least this many columns):
+# attending over a few holes is cheaper than gathering every layer's keys and values.
+COMPACT_SHARE = 0.25
+COMPACT_MIN_COLUMNS = 32
+
+
+class BatchedCache:
+    def __init__(self, model: PreTrainedModel, pad_id: int):
+        self.model = model
+        self.pad_id = pad_id
+        self.device = next(model.parameters()).device
+        self.cache = DynamicCache(config=model.config)
+        if not all(type(layer) is DynamicLayer for layer in self.cache.layers):
+            raise ModelLoadError(
+                f"speculative decoding needs full-attention layers; {type(model).__name__} uses sliding-window "
+                "or linear-attention layers whose state cannot be rolled back: serve it with the plain engine"
+            )
+        self.mask = torch.zeros((0, 0), dtype=torch.long, device=self.device)
+        self.lengths = torch.zeros(0, dtype=torch.long, device=self.device)
+
+    @property
+    def batch_size(self) -> int:
+        return self.mask.shape[0]
+
+    def prefill(self, prompts: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Fill an empty cache with left-padded prompts; the logits after each prompt, (B, V)."""
+        input_ids, mask = left_pad([list(p) for p in prompts], self.pad_id, self.device)
+        self.mask, self.lengths = mask, mask.sum(dim=1)
+        return self._forward(input_ids, position_ids(mask), logits_to_keep=1)[:, -1]
+
+    def extend(self, blocks: Sequence[Sequence[int]], width: int | None = None) -> torch.Tensor:
+        """Append one block of tokens per row (rows may differ in length, even be empty); logits
+        at every block position, (B, T, V). The block is right-padded to `width` (≥ the longest
+        block): padding sits after a row's real tokens, so causal attention keeps it invisible to
+        them, and it stays a hole in the cache."""
+        counts = torch.tensor([len(b) for b in blocks], device=self.device)
+        width = max(int(counts.max()), 1) if width is None else width
+        input_ids = torch.full((len(blocks), width), self.pad_id, dtype=torch.long, device=self.device)
+        for row, block in enumerate(blocks):
+            input_ids[row, : len(block)] = torch.tensor(list(block), dtype=torch.long)
+        columns = torch.arange(width, device=self.device).unsqueeze(0)
+        self.mask = torch.cat([self.mask, (columns < counts.unsqueeze(1)).long()], dim=1)
+        positions = self.lengths.unsqueeze(1) + columns
+        self.lengths = self.lengths + counts
+        return self._forward(input_ids, positions, logits_to_keep=width)
+
+    def truncate(self, lengths: torch.Tensor | Sequence[int]) -> None:
+        """Keep the first lengths[b] valid tokens of each row; later ones become holes."""
+        lengths = torch.as_tensor(lengths, dtype=torch.long, device=self.device)
+        if bool((lengths > self.lengths).any()):
+            raise ValueError("truncate can only shorten rows")
+        self.mask = self.mask * (self.mask.cumsum(dim=1) <= lengths.unsqueeze(1))
+        self.lengths = lengths
+        used = self.mask.any(dim=0).nonzero()
+        width = int(used[-1]) + 1 if len(used) else 0
+        if width < self.mask.shape[1]:
+            self.cache.crop(width - self.mask.shape[1])
+            self.mask = self.mask[:, :width]
+        self._compact_if_sparse()
+
+    def select(self, rows: Sequence[int]) -> None:
+        """Keep only the given rows (finished sequences leave the batch)."""
+        index = torch.tensor(list(rows), dtype=torch.long, device=self.device)
+        self.cache.batch_select_indices(index)
+        self.mask, self.lengths = self.mask[index], self.lengths[index]
+        self._compact_if_sparse()
+
+    def holes(self) -> int:
+        """Columns beyond the longest row: what compaction would free."""
+        return self.mask.shape[1] - int(self.lengths.max()) if self.batch_size else 0
+
+    def compact(self) -> None:
+        """Gather each row's valid entries to the right end of a width of max(lengths) columns."""
+        width = int(self.lengths.max())
+        order = torch.argsort(self.mask, dim=1, stable=True)[:, -width:]  # valid columns, in order, last
+        for layer in self.cache.layers:
+            index = order[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3])
+            layer.keys = layer.keys.gather(2, index)
+            layer.values = layer.values.gather(2, index)
+        self.mask = self.mask.gather(1, order)
+
+    def _compact_if_sparse(self) -> None:
+        holes = self.holes()
+        if holes >= COMPACT_MIN_COLUMNS and holes >= COMPACT_SHARE * self.mask.shape[1]:
+            self.compact()
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_to_keep: int) -> torch.Tensor:
+        # Without holes the mask says nothing the causal mask does not: skip building a 4-D mask.
+        attention_mask = None if bool(self.mask.all()) else self.mask
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=positions,
+            cache=self.cache,
+            logits_to_keep=logits_to_keep,
+        )
+        return out.logits

@@ -1,0 +1,94 @@
+"""Exact acceptance of drafted tokens: pure tensor functions, batched.
+
+For row b with drafts x[0..L_b-1] drawn from q and target distributions p[0..L_b] (p[j] is the
+target's distribution for the token at draft position j, p[L_b] the one after the last draft):
+accept x[j] with probability min(1, p(x[j]) / q(x[j])), left to right; at the first rejection
+draw the replacement from norm(max(0, p[j] − q[j])); if all L_b are accepted draw a bonus token
+from p[L_b]. The emitted tokens are then distributed exactly as sampling from p one token at a
+time. Deterministic drafters (prompt lookup, greedy drafts) have q one-hot at x.
+
+Every row draws only from its own generator and only as many numbers as its own drafts need,
+so what a row emits never depends on the rows it is batched with.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ..sampling import draw
+
+
+def accept_greedy(
+    drafts: torch.Tensor, lengths: torch.Tensor, target_tokens: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy verification: accept the longest prefix equal to the target's argmax tokens.
+
+    drafts (B, K), lengths (B,) drafts per row (≤ K), target_tokens (B, K+1) the target's argmax
+    at each position. Returns (accepted (B,), next_token (B,)): the next token is the target's
+    own choice right after the accepted prefix — exactly what greedy plain decoding emits.
+    """
+    batch, width = drafts.shape
+    positions = torch.arange(width, device=drafts.device).unsqueeze(0)
+    matches = (drafts == target_tokens[:, :width]) & (positions < lengths.unsqueeze(1))
+    accepted = matches.long().cumprod(dim=1).sum(dim=1)
+    next_token = target_tokens.gather(1, accepted.unsqueeze(1)).squeeze(1)
+    return accepted, next_token
+
+
+def accept_sampled(
+    drafts: torch.Tensor,
+    lengths: torch.Tensor,
+    target_probs: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    generators: Sequence[torch.Generator],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Speculative sampling: drafts (B, K), lengths (B,), target_probs p (B, K+1, V),
+    draft_probs q (B, K, V) or None for one-hot q at the drafts. Returns (accepted, next_token)."""
+    batch, width = drafts.shape
+    p_draft = target_probs[:, :width].gather(2, drafts.unsqueeze(2)).squeeze(2).double()
+    if draft_probs is None:
+        q_draft = torch.ones_like(p_draft)
+    else:
+        q_draft = draft_probs.gather(2, drafts.unsqueeze(2)).squeeze(2).double()
+    uniforms = _row_uniforms(lengths, width, generators, drafts.device)
+    # P(u < p/q) = min(1, p/q); written as u·q < p so q = 0 (never drawn) cannot divide by zero.
+    accept = (uniforms * q_draft < p_draft) & (torch.arange(width, device=drafts.device) < lengths.unsqueeze(1))
+    accepted = accept.long().cumprod(dim=1).sum(dim=1)
+    final = target_probs.gather(1, accepted.view(batch, 1, 1).expand(-1, 1, target_probs.shape[2])).squeeze(1)
+    rejected = accepted < lengths
+    if rejected.any():
+        final = final.clone()
+        rows = rejected.nonzero().squeeze(1)
+        final[rows] = residual(final[rows], _draft_dist_at(drafts, draft_probs, rows, accepted[rows], final.shape[1]))
+    return accepted, draw(final, generators)
+
+
+def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """norm(max(0, p − q)) per row. A row whose residual has no mass (p ≤ q everywhere, which
+    only rounding can produce after a rejection) falls back to p."""
+    rest = (p - q).clamp(min=0.0)
+    total = rest.sum(dim=-1, keepdim=True)
+    return torch.where(total > 0, rest / total.clamp(min=torch.finfo(rest.dtype).tiny), p)
+
+
+def _draft_dist_at(
+    drafts: torch.Tensor, draft_probs: torch.Tensor | None, rows: torch.Tensor, positions: torch.Tensor, vocab: int
+) -> torch.Tensor:
+    """q at the rejected position of each given row (one-hot at the draft when q is None)."""
+    if draft_probs is not None:
+        return draft_probs[rows, positions].float()
+    one_hot = torch.zeros((len(rows), vocab), device=drafts.device)
+    return one_hot.scatter_(1, drafts[rows, positions].unsqueeze(1), 1.0)
+
+
+def _row_uniforms(
+    lengths: torch.Tensor, width: int, generators: Sequence[torch.Generator], device: torch.device
+) -> torch.Tensor:
+    """(B, K) uniforms in [0, 1); row b draws exactly lengths[b] from its own generator (the rest are 1)."""
+    uniforms = torch.ones((len(generators), width), dtype=torch.float64)
+    for row, (count, generator) in enumerate(zip(lengths.tolist(), generators, strict=True)):
+        if count:
+            uniforms[row, :count] = torch.rand(count, generator=generator, dtype=torch.float64, device=generator.device)
+    return uniforms.to(device)

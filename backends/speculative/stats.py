@@ -1,0 +1,70 @@
+"""Speculation counters with vLLM's meaning: a *draft* is one speculative step of one sequence,
+α = accepted / drafted tokens, mean accepted length = 1 + accepted / drafts."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from pydantic import BaseModel, Field, computed_field
+
+
+class SpeculationStats(BaseModel):
+    drafter: str
+    k_mode: str = Field(description="'auto' (chosen per step) or the fixed k")
+    steps: int = Field(0, description="target passes after the prefill")
+    drafts: int = Field(0, description="steps that verified at least one drafted token")
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_per_position: list[int] = Field(default_factory=list, description="[j]: drafts whose token j was accepted")
+    draft_time_s: float = 0.0
+    verify_time_s: float = Field(0.0, description="target passes that verified drafts")
+    target_step_s: float = Field(0.0, description="measured 1-token target pass at this batch size")
+    k_history: list[int] = Field(default_factory=list, description="k used at each step")
+
+    @computed_field
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    @computed_field
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens emitted per speculative step: accepted drafts + the target's own token."""
+        return 1.0 + self.accepted_tokens / self.drafts if self.drafts else 1.0
+
+    @computed_field
+    @property
+    def gamma(self) -> float:
+        """Drafting time per speculative step over one target step (k·c in the cost model)."""
+        if not self.drafts or self.target_step_s <= 0:
+            return 0.0
+        return self.draft_time_s / self.drafts / self.target_step_s
+
+    def record(self, k: int, drafted: Sequence[int], accepted: Sequence[int], draft_s: float, verify_s: float) -> None:
+        """One target pass: the k used, and per sequence in the pass its drafted and accepted counts."""
+        self.steps += 1
+        self.k_history.append(k)
+        self.draft_time_s += draft_s
+        if any(drafted):
+            self.verify_time_s += verify_s
+        for count, ok in zip(drafted, accepted, strict=True):
+            if count:
+                self._record_draft(count, ok)
+
+    def _record_draft(self, drafted: int, accepted: int) -> None:
+        self.drafts += 1
+        self.draft_tokens += drafted
+        self.accepted_tokens += accepted
+        if len(self.accepted_per_position) < drafted:
+            self.accepted_per_position.extend([0] * (drafted - len(self.accepted_per_position)))
+        for position in range(accepted):
+            self.accepted_per_position[position] += 1
+
+    def summary(self) -> str:
+        ks = sorted(set(self.k_history))
+        k_text = f"k={self.k_mode}" + (f" (used {ks[0]}..{ks[-1]})" if len(ks) > 1 else f" ({ks[0]})" if ks else "")
+        return (
+            f"[{self.drafter}] {k_text} · {self.drafts} drafts, {self.accepted_tokens}/{self.draft_tokens} accepted · "
+            f"α {self.acceptance_rate:.2f} · mean accepted length {self.mean_accepted_length:.2f} · "
+            f"γ {self.gamma:.3f} · draft {self.draft_time_s * 1e3:.0f} ms, verify {self.verify_time_s * 1e3:.0f} ms"
+        )

@@ -1,0 +1,295 @@
+"""`specroute bench spec`: speculative decoding against plain decoding, per prompt category, at
+batch 1, in one run — every drafter at a fixed k and at auto k — plus transformers' own assisted
+generation (prompt lookup, and the draft model as `assistant_model`) on the same prompts as the
+outside reference. Each prompt runs every configuration back to back (rotating which goes
+first), so machine noise hits all of them alike; greedy decoding, so every configuration must
+produce the very same tokens, which the report checks."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from pydantic import BaseModel, Field
+from tqdm import tqdm
+from transformers import GenerationConfig
+
+from backends.generation import GenerationRequest, GenerationResult
+from backends.models import LoadedModel, load_model
+from backends.plain import PlainEngine
+from backends.speculative.control import StepCosts
+from backends.speculative.drafters import ModelDrafter
+from backends.speculative.engine import SpeculativeEngine, step_costs
+from backends.speculative.factory import DrafterConfig, DrafterKind, build_drafter
+
+from .hardware import MachineInfo, machine_info
+from .workloads import load_prompt_set
+
+PLAIN = "plain"
+
+
+class BenchSpecConfig(BaseModel):
+    model: str = "embedded"
+    dtype: str = "float32"
+    device: str = "cpu"
+    threads: int | None = Field(None, ge=1)
+    max_tokens: int = Field(96, ge=2, le=2048, description="upper bound per request; EOS ends a request earlier")
+    categories: list[str] | None = Field(None, description="default: every category of the prompt set")
+    prompts_per_category: int = Field(3, ge=1)
+    drafters: list[DrafterKind] = Field(default_factory=lambda: ["ngram", "model", "early-exit"], min_length=1)
+    fixed_k: int = Field(4, ge=1, le=32)
+    k_max: int = Field(8, ge=1, le=32)
+    drafter: DrafterConfig = Field(default_factory=DrafterConfig, description="drafter options (kind is ignored)")
+    transformers: bool = Field(True, description="also time transformers' assisted generation")
+    hf_prompt_lookup_tokens: int = Field(10, ge=1, description="transformers' prompt_lookup_num_tokens")
+
+
+class RunStats(BaseModel):
+    """One configuration over one category's prompts."""
+
+    name: str
+    tokens: int
+    seconds: float
+    tokens_per_s: float
+    speedup: float = Field(description="tokens/s over plain tokens/s on the same prompts")
+    identical: bool = Field(description="greedy tokens equal plain decoding's, every prompt")
+    acceptance_rate: float | None = None
+    mean_accepted_length: float | None = None
+    gamma: float | None = None
+    mean_k: float | None = None
+
+
+class CategoryResult(BaseModel):
+    category: str
+    prompts: int
+    runs: list[RunStats]
+    versus_transformers: dict[str, float] = Field(description="our tokens/s over transformers' (named pairs)")
+
+
+class BenchSpecReport(BaseModel):
+    machine: MachineInfo
+    model: dict[str, object]
+    config: BenchSpecConfig
+    step_costs_ms: dict[str, float] = Field(description="measured target pass at batch 1, by new tokens per pass")
+    categories: list[CategoryResult]
+    geomean_speedup: dict[str, float] = Field(description="per configuration, over categories")
+    geomean_versus_transformers: dict[str, float]
+
+
+@dataclass
+class _Tally:
+    tokens: int = 0
+    seconds: float = 0.0
+    identical: bool = True
+    results: list[GenerationResult] = field(default_factory=list)
+
+
+Runner = Callable[[GenerationRequest], GenerationResult | list[int]]
+
+
+def run_bench_spec(config: BenchSpecConfig) -> BenchSpecReport:
+    loaded = load_model(config.model, config.dtype, config.device, config.threads)
+    runners, pairs, costs = _runners(config, loaded)
+    prompt_set = load_prompt_set()
+    categories = config.categories or list(prompt_set.categories)
+    unknown = sorted(set(categories) - set(prompt_set.categories))
+    if unknown:
+        raise ValueError(f"unknown categories {unknown}: choose from {sorted(prompt_set.categories)}")
+    work = {c: prompt_set.categories[c].prompts[: config.prompts_per_category] for c in categories}
+    total = len(runners) * (1 + sum(len(p) for p in work.values()))
+    results = []
+    with tqdm(total=total, desc="bench spec", unit="run", leave=False) as bar:
+        _warm_up(runners, config, bar)
+        for category, prompts in work.items():
+            requests = [GenerationRequest(messages=p.messages, max_tokens=config.max_tokens) for p in prompts]
+            results.append(_category(category, requests, runners, pairs, bar))
+    measured = {str(w): s * 1e3 for (b, w), s in sorted(costs.target_s.items()) if b == 1}
+    return _report(config, loaded, results, measured)
+
+
+def _runners(config: BenchSpecConfig, loaded: LoadedModel) -> tuple[dict[str, Runner], dict[str, str], StepCosts]:
+    """name -> a function running one request; which of ours faces which transformers run; and
+    the step-cost table every speculative engine shares (probed once)."""
+    plain = PlainEngine(loaded)
+    costs = step_costs(loaded, max_width=max(config.k_max, config.fixed_k) + 1)
+    runners: dict[str, Runner] = {PLAIN: lambda r: plain.generate([r])[0]}
+    pairs: dict[str, str] = {}
+    for kind in config.drafters:
+        drafter_config = config.drafter.model_copy(update={"kind": kind})
+        for k in (config.fixed_k, "auto"):
+            engine = SpeculativeEngine(
+                loaded, build_drafter(drafter_config, loaded), k=k, k_max=config.k_max, costs=costs
+            )
+            runners[f"{kind} k={k}"] = _engine_runner(engine)
+        if not config.transformers:
+            continue
+        if kind == "ngram":
+            runners["transformers prompt lookup"] = _hf_runner(
+                plain, loaded, prompt_lookup_num_tokens=config.hf_prompt_lookup_tokens
+            )
+            pairs["ngram k=auto"] = "transformers prompt lookup"
+        if kind == "model":
+            draft = engine.drafter
+            assert isinstance(draft, ModelDrafter)
+            runners["transformers assisted"] = _hf_runner(plain, loaded, assistant_model=draft.model)
+            pairs["model k=auto"] = "transformers assisted"
+    return runners, pairs, costs
+
+
+def _engine_runner(engine: SpeculativeEngine) -> Runner:
+    return lambda request: engine.generate([request])[0]
+
+
+def _hf_runner(plain: PlainEngine, loaded: LoadedModel, **assist: object) -> Runner:
+    """transformers' `generate` with its own assisted decoding, greedy, stopping at the same EOS ids."""
+    generation_config = GenerationConfig(
+        do_sample=False,
+        eos_token_id=sorted(plain.eos_ids),
+        pad_token_id=loaded.tokenizer.pad_token_id,
+        **{k: v for k, v in assist.items() if k != "assistant_model"},
+    )
+    extra = {"assistant_model": assist["assistant_model"]} if "assistant_model" in assist else {}
+
+    def run(request: GenerationRequest) -> list[int]:
+        prompt = plain.encode(request)
+        input_ids = torch.tensor([prompt], device=loaded.model.device)
+        generation_config.max_new_tokens = request.max_tokens
+        with torch.inference_mode():
+            output = loaded.model.generate(
+                input_ids=input_ids,
+                attention_mask=torch.ones_like(input_ids),
+                generation_config=generation_config,
+                **extra,
+            )
+        return output[0, len(prompt) :].tolist()
+
+    return run
+
+
+def _warm_up(runners: dict[str, Runner], config: BenchSpecConfig, bar: tqdm) -> None:
+    """First calls pay for step-cost probes, allocator growth and kernel selection: not timed."""
+    request = GenerationRequest(prompt="Warm-up: count from one to five.", max_tokens=min(8, config.max_tokens))
+    for run in runners.values():
+        run(request)
+        bar.update()
+
+
+def _category(
+    category: str, requests: list[GenerationRequest], runners: dict[str, Runner], pairs: dict[str, str], bar: tqdm
+) -> CategoryResult:
+    tallies = {name: _Tally() for name in runners}
+    names = list(runners)
+    for index, request in enumerate(requests):
+        order = names[index % len(names) :] + names[: index % len(names)]  # rotate who goes first
+        outputs = {}
+        for name in order:
+            started = time.perf_counter()
+            output = runners[name](request)
+            elapsed = time.perf_counter() - started
+            outputs[name] = output
+            tally = tallies[name]
+            tally.seconds += elapsed
+            if isinstance(output, GenerationResult):
+                tally.results.append(output)
+            bar.update()
+        reference = _tokens(outputs[PLAIN])
+        for name, output in outputs.items():
+            tokens = _tokens(output)
+            tallies[name].tokens += len(tokens)
+            tallies[name].identical &= tokens == reference
+    plain_rate = tallies[PLAIN].tokens / tallies[PLAIN].seconds
+    runs = [_run_stats(name, tally, plain_rate) for name, tally in tallies.items()]
+    rates = {run.name: run.tokens_per_s for run in runs}
+    versus = {f"{ours} / {theirs}": rates[ours] / rates[theirs] for ours, theirs in pairs.items()}
+    return CategoryResult(category=category, prompts=len(requests), runs=runs, versus_transformers=versus)
+
+
+def _tokens(output: GenerationResult | list[int]) -> list[int]:
+    return output.token_ids if isinstance(output, GenerationResult) else output
+
+
+def _run_stats(name: str, tally: _Tally, plain_rate: float) -> RunStats:
+    rate = tally.tokens / tally.seconds
+    stats = [r.speculation for r in tally.results if r.speculation is not None]
+    spec: dict[str, float] = {}
+    if stats:
+        drafts = sum(s.drafts for s in stats)
+        drafted = sum(s.draft_tokens for s in stats)
+        accepted = sum(s.accepted_tokens for s in stats)
+        draft_s = sum(s.draft_time_s for s in stats)
+        step_s = sum(s.target_step_s for s in stats) / len(stats)
+        ks = [k for s in stats for k in s.k_history]
+        spec = {
+            "acceptance_rate": accepted / drafted if drafted else 0.0,
+            "mean_accepted_length": 1 + accepted / drafts if drafts else 1.0,
+            "gamma": draft_s / drafts / step_s if drafts and step_s else 0.0,
+            "mean_k": sum(ks) / len(ks) if ks else 0.0,
+        }
+    return RunStats(
+        name=name,
+        tokens=tally.tokens,
+        seconds=tally.seconds,
+        tokens_per_s=rate,
+        speedup=rate / plain_rate,
+        identical=tally.identical,
+        **spec,
+    )
+
+
+def _report(
+    config: BenchSpecConfig, loaded: LoadedModel, results: list[CategoryResult], step_costs_ms: dict[str, float]
+) -> BenchSpecReport:
+    names = [run.name for run in results[0].runs]
+    geomean = {name: _geomean([next(r.speedup for r in c.runs if r.name == name) for c in results]) for name in names}
+    versus_names = list(results[0].versus_transformers)
+    versus = {name: _geomean([c.versus_transformers[name] for c in results]) for name in versus_names}
+    return BenchSpecReport(
+        machine=machine_info(),
+        model=loaded.info.as_dict(),
+        config=config,
+        step_costs_ms=step_costs_ms,
+        categories=results,
+        geomean_speedup=geomean,
+        geomean_versus_transformers=versus,
+    )
+
+
+def _geomean(values: list[float]) -> float:
+    return math.exp(sum(math.log(v) for v in values) / len(values)) if values else 0.0
+
+
+def render_report(report: BenchSpecReport) -> str:
+    m, c = report.model, report.config
+    lines = [
+        f"specroute bench spec — {m['name']} ({m['dtype']}, {m['device']}) on {report.machine.cpu}, "
+        f"{report.machine.torch_threads} torch threads; batch 1, greedy, ≤{c.max_tokens} tokens, "
+        f"{c.prompts_per_category} prompts per category, fixed k = {c.fixed_k}, auto k ≤ {c.k_max}",
+    ]
+    if report.step_costs_ms:
+        costs = "  ".join(f"{w}:{ms:.0f}" for w, ms in report.step_costs_ms.items())
+        lines.append(f"measured target pass (ms) by new tokens per pass: {costs}")
+    header = f"  {'configuration':28} {'tok/s':>7} {'speedup':>8} {'α':>5} {'acc.len':>7} {'γ':>6} {'k̄':>5}  same"
+    for category in report.categories:
+        lines += ["", f"{category.category} ({category.prompts} prompts)", header]
+        lines += [_run_line(run) for run in category.runs]
+        lines += [
+            f"  ours over transformers: {name} = {ratio:.2f}×" for name, ratio in category.versus_transformers.items()
+        ]
+    lines += ["", "geometric mean over categories — speedup over plain:"]
+    lines += [f"  {name:28} {value:6.2f}×" for name, value in report.geomean_speedup.items()]
+    lines += [f"  {name}: {value:.2f}×" for name, value in report.geomean_versus_transformers.items()]
+    return "\n".join(lines)
+
+
+def _run_line(run: RunStats) -> str:
+    def number(value: float | None, digits: int = 2) -> str:
+        return "—" if value is None else f"{value:.{digits}f}"
+
+    return (
+        f"  {run.name:28} {run.tokens_per_s:7.1f} {run.speedup:7.2f}× {number(run.acceptance_rate):>5} "
+        f"{number(run.mean_accepted_length):>7} {number(run.gamma, 3):>6} {number(run.mean_k, 1):>5}  "
+        f"{'yes' if run.identical else 'NO'}"
+    )

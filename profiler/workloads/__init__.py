@@ -1,0 +1,39 @@
+"""The project's own categorised prompt set (chat, code, summarization, RAG, translation, math,
+QA), written for specroute: what `bench spec` and the profiler measure acceptance on."""
+
+from __future__ import annotations
+
+from functools import cache
+from importlib.resources import files
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field
+
+from backends.generation import ChatMessage
+
+
+class WorkloadPrompt(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    id: str
+    messages: list[ChatMessage] = Field(min_length=1)
+
+
+class Category(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    description: str
+    prompts: list[WorkloadPrompt] = Field(min_length=1)
+
+
+class PromptSet(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    version: int
+    categories: dict[str, Category]
+
+
+@cache
+def load_prompt_set() -> PromptSet:
+    text = files(__package__).joinpath("prompts.yaml").read_text(encoding="utf-8")
+    return PromptSet.model_validate(yaml.safe_load(text))

@@ -1,0 +1,52 @@
+"""Tiny randomly initialised Llama models with the embedded model's tokenizer and vocabulary:
+fast enough for thousands of sampled generations, real enough to exercise every code path."""
+
+import copy
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from backends.models import LoadedModel, describe
+
+
+def tiny_model(vocab_size: int, seed: int, sharpness: float = 1.0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+    )
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():  # random logits are nearly flat; sharpen them so distributions have shape
+        model.lm_head.weight.mul_(sharpness)
+    return model
+
+
+def perturbed(model: LlamaForCausalLM, noise: float, seed: int) -> LlamaForCausalLM:
+    """A drafter that mostly agrees with `model`: its weights plus Gaussian noise."""
+    torch.manual_seed(seed)
+    draft = copy.deepcopy(model)
+    with torch.no_grad():
+        for parameter in draft.parameters():
+            parameter.add_(noise * parameter.std() * torch.randn_like(parameter))
+    return draft
+
+
+def as_loaded(model: LlamaForCausalLM, tokenizer) -> LoadedModel:
+    return LoadedModel(model, tokenizer, describe(model, "tiny-test-llama", "float32", "cpu"))
+
+
+@pytest.fixture(scope="session")
+def vocab_size(loaded) -> int:
+    return loaded.model.get_output_embeddings().weight.shape[0]
+
+
+@pytest.fixture(scope="session")
+def tiny_target(tokenizer, vocab_size) -> LoadedModel:
+    return as_loaded(tiny_model(vocab_size, seed=1, sharpness=40.0), tokenizer)

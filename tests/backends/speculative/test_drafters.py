@@ -1,0 +1,119 @@
+import pytest
+import torch
+
+from backends.errors import ModelLoadError
+from backends.sampling import SamplingParams
+from backends.speculative.drafters import DraftRow, ModelDrafter, NgramDrafter, early_exit_model
+from backends.speculative.factory import DrafterConfig, build_drafter
+
+from .conftest import tiny_model
+
+GREEDY = SamplingParams()
+
+
+def _row(prompt: list[int], generated: list[int] | None = None) -> DraftRow:
+    return DraftRow(list(prompt), list(generated or []), GREEDY, torch.Generator().manual_seed(0))
+
+
+def _ngram(rows, ks, **kwargs):
+    drafter = NgramDrafter(**kwargs)
+    drafter.start(rows)
+    return drafter, drafter.propose(rows, ks).tokens
+
+
+def test_ngram_proposes_what_followed_the_longest_matching_suffix():
+    # suffix [1, 2, 3] occurred once, followed by 7 8 9; the shorter [2, 3] also occurs, followed by 5
+    row = _row([2, 3, 5, 1, 2, 3, 7, 8, 9, 4, 1, 2, 3])
+    _, tokens = _ngram([row], [3], max_n=3, min_n=2)
+    assert tokens == [[7, 8, 9]]
+
+
+def test_ngram_uses_the_latest_occurrence_and_stops_at_k():
+    row = _row([1, 2, 9, 9, 1, 2, 6, 6, 6, 6, 1, 2])
+    _, tokens = _ngram([row], [2], max_n=2, min_n=2)
+    assert tokens == [[6, 6]]
+
+
+def test_ngram_with_no_match_proposes_nothing():
+    _, tokens = _ngram([_row([1, 2, 3, 4, 5])], [4], max_n=3, min_n=2)
+    assert tokens == [[]]
+
+
+def test_ngram_indexes_generated_tokens_as_they_arrive():
+    row = _row([10, 11, 12, 13])
+    drafter, tokens = _ngram([row], [3], max_n=2, min_n=1)
+    assert tokens == [[]]
+    row.token_ids.extend([20, 21, 22, 10, 11])  # the output now repeats the prompt's opening
+    assert drafter.propose([row], [3]).tokens == [[12, 13, 20]]
+
+
+def test_ngram_rows_are_independent_and_finished_rows_leave():
+    rows = [_row([1, 2, 3, 1, 2]), _row([5, 6, 5])]
+    drafter, tokens = _ngram(rows, [1, 2], max_n=2, min_n=1)
+    assert tokens == [[3], [6, 5]]
+    drafter.select([1])
+    assert drafter.propose([rows[1]], [1]).tokens == [[6]]
+
+
+def test_ngram_rejects_an_empty_range():
+    with pytest.raises(ValueError):
+        NgramDrafter(max_n=1, min_n=2)
+
+
+def _greedy_continuation(model, tokens: list[int], count: int) -> list[int]:
+    """The draft model's own greedy continuation, recomputed from scratch without a cache."""
+    tokens = list(tokens)
+    with torch.inference_mode():
+        for _ in range(count):
+            logits = model(input_ids=torch.tensor([tokens])).logits[0, -1]
+            tokens.append(int(logits.argmax()))
+    return tokens[-count:]
+
+
+def test_model_drafter_rolls_back_to_the_accepted_prefix(tiny_target, vocab_size):
+    model = tiny_target.model
+    drafter = ModelDrafter(model, pad_id=2, target_vocab=vocab_size)
+    rows = [_row([5, 6, 7, 8], [9]), _row([30, 31], [32])]
+    drafter.start(rows)
+    first = drafter.propose(rows, [4, 3]).tokens
+    assert first == [_greedy_continuation(model, r.context(), k) for r, k in zip(rows, [4, 3], strict=True)]
+    # Row 0 accepts 2 drafts then the target emits 77; row 1 accepts none and gets 88.
+    drafter.observe([2, 0])
+    rows[0].token_ids.extend(first[0][:2] + [77])
+    rows[1].token_ids.append(88)
+    second = drafter.propose(rows, [3, 3]).tokens
+    assert second == [_greedy_continuation(model, r.context(), 3) for r in rows]
+    assert drafter.propose(rows, [0, 0]).tokens == [[], []]
+
+
+def test_model_drafter_refuses_a_different_vocabulary(tiny_target):
+    other = tiny_model(vocab_size=1000, seed=3)
+    with pytest.raises(ModelLoadError, match="vocabulary"):
+        ModelDrafter(other, pad_id=2, target_vocab=tiny_target.model.config.vocab_size)
+
+
+def test_early_exit_shares_the_targets_weights_and_leaves_it_whole(tiny_target):
+    target = tiny_target.model
+    shallow = early_exit_model(target, 1)
+    assert len(shallow.model.layers) == 1 and len(target.model.layers) == 2
+    assert target.config.num_hidden_layers == 2
+    assert shallow.model.layers[0] is target.model.layers[0]
+    assert shallow.lm_head.weight.data_ptr() == target.lm_head.weight.data_ptr()
+    assert shallow.model.norm is target.model.norm
+
+
+@pytest.mark.parametrize("layers", [0, 2, 5])
+def test_early_exit_refuses_a_layer_count_outside_the_target(tiny_target, layers):
+    with pytest.raises(ModelLoadError, match="exit layer"):
+        early_exit_model(tiny_target.model, layers)
+
+
+def test_factory_refuses_drafting_with_the_target_itself_in_the_same_dtype(loaded):
+    config = DrafterConfig(kind="model", draft_model="embedded", draft_dtype="float32")
+    with pytest.raises(ModelLoadError, match="target itself"):
+        build_drafter(config, loaded)
+
+
+def test_factory_config_rejects_a_reversed_ngram_range():
+    with pytest.raises(ValueError, match="ngram_min"):
+        DrafterConfig(ngram_min=5, ngram_max=2)

@@ -1,0 +1,354 @@
+"""The speculative engine is lossless: greedy output is token-identical to the plain engine for
+every drafter and k, alone and in mixed batches; sampled output has exactly the target's
+distribution (χ² on tiny models); stop conditions inside a drafted block end the sequence there."""
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from backends.errors import RequestError
+from backends.generation import GenerationRequest
+from backends.plain import PlainEngine
+from backends.sampling import SamplingParams, target_probs
+from backends.speculative.drafters import Drafter, ModelDrafter, NgramDrafter, Proposal, early_exit_model
+from backends.speculative.engine import SpeculativeEngine, step_costs
+from policies.cost_model import expected_tokens
+
+from .conftest import perturbed, tiny_model
+
+pytestmark = pytest.mark.slow
+
+COPY_TEXT = (
+    "The Riverside library will close on March 3 for renovations. The children's room moves to the "
+    "community hall on Elm Street, and returns are accepted at the front desk of the town office."
+)
+
+
+def _chat(text: str, max_tokens: int = 24, system: str | None = None, **kwargs) -> GenerationRequest:
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
+    return GenerationRequest(messages=messages, max_tokens=max_tokens, **kwargs)
+
+
+PROMPTS = [
+    _chat(f"Repeat this text exactly: {COPY_TEXT}"),
+    GenerationRequest(prompt="def fibonacci(n):", max_tokens=24),
+    GenerationRequest(prompt="1, 2, 3, 4, 5,", max_tokens=24),
+    _chat("What is the capital of France?"),
+    GenerationRequest(prompt="Once upon a time in a land far away, there lived a", max_tokens=24),
+    _chat("Give me one tip for sleeping better.", system="You are a concise assistant."),
+    GenerationRequest(prompt="The chemical symbol for gold is", max_tokens=24),
+    _chat(f"Summarize in one sentence, reusing its words: {COPY_TEXT}"),
+]
+KS = [1, 3, 8, "auto"]
+
+
+@pytest.fixture(scope="module")
+def costs(loaded):
+    return step_costs(loaded, max_width=9)  # probed once for every engine in this module
+
+
+@pytest.fixture(scope="module")
+def plain_outputs(engine):
+    return [engine.generate([r])[0].token_ids for r in PROMPTS]
+
+
+def _drafter(kind: str, loaded, vocab_size: int) -> Drafter:
+    if kind == "ngram":
+        return NgramDrafter(max_n=4, min_n=1)
+    if kind == "early-exit":
+        return ModelDrafter(early_exit_model(loaded.model, 4), loaded.tokenizer.pad_token_id, vocab_size)
+    # A tiny random model with the target's vocabulary: it almost never agrees (α ≈ 0), so every
+    # step exercises rejection, resampling and cache rollback.
+    return ModelDrafter(tiny_model(vocab_size, seed=5), loaded.tokenizer.pad_token_id, vocab_size)
+
+
+@pytest.mark.parametrize("k", KS)
+@pytest.mark.parametrize("kind", ["ngram", "early-exit", "model"])
+def test_greedy_mixed_batch_is_token_identical_to_plain(loaded, vocab_size, costs, plain_outputs, kind, k):
+    engine = SpeculativeEngine(loaded, _drafter(kind, loaded, vocab_size), k=k, costs=costs)
+    results = engine.generate(PROMPTS)
+    assert [r.token_ids for r in results] == plain_outputs
+
+
+@pytest.mark.parametrize("k", KS)
+@pytest.mark.parametrize("kind", ["ngram", "early-exit", "model"])
+def test_greedy_batch_of_one_is_token_identical_to_plain(loaded, vocab_size, costs, plain_outputs, kind, k):
+    engine = SpeculativeEngine(loaded, _drafter(kind, loaded, vocab_size), k=k, costs=costs)
+    # ngram runs every prompt alone; the slower drafters a spread of four (all eight run batched above).
+    indices = range(len(PROMPTS)) if kind == "ngram" else [0, 1, 3, 6]
+    for i in indices:
+        assert engine.generate([PROMPTS[i]])[0].token_ids == plain_outputs[i], f"prompt {i}"
+
+
+def test_prompt_lookup_accepts_most_drafts_on_copied_text(loaded, costs):
+    engine = SpeculativeEngine(loaded, NgramDrafter(), k=4, costs=costs)
+    stats = engine.generate([PROMPTS[0]])[0].speculation
+    assert stats.acceptance_rate > 0.5 and stats.mean_accepted_length > 2.5
+
+
+class SpyDrafter(Drafter):
+    """Wraps a drafter and records, for each proposal, the context length and the tokens."""
+
+    def __init__(self, inner: Drafter):
+        self.inner, self.name, self.proposals, self.started = inner, inner.name, [], False
+
+    def start(self, rows):
+        self.started = True
+        self.inner.start(rows)
+
+    def propose(self, rows, ks):
+        proposal = self.inner.propose(rows, ks)
+        self.proposals.append(
+            [(row.length, tokens[:k]) for row, tokens, k in zip(rows, proposal.tokens, ks, strict=True)]
+        )
+        return proposal
+
+    def observe(self, accepted):
+        self.inner.observe(accepted)
+
+    def select(self, rows):
+        self.inner.select(rows)
+
+
+def _ran_past_the_end(spy: SpyDrafter, result) -> bool:
+    """Did the last proposal draft beyond where the sequence ended?"""
+    length, tokens = spy.proposals[-1][0]
+    return length + len(tokens) > result.prompt_tokens + result.completion_tokens
+
+
+def test_eos_inside_a_drafted_block_ends_the_sequence_there(loaded, engine, costs):
+    request = _chat(f"Repeat this text exactly: {COPY_TEXT}", max_tokens=120)
+    spy = SpyDrafter(NgramDrafter(max_n=4, min_n=1))
+    result = SpeculativeEngine(loaded, spy, k=8, costs=costs).generate([request])[0]
+    assert result.token_ids == engine.generate([request])[0].token_ids
+    assert result.finish_reason == "stop" and result.token_ids[-1] in engine.eos_ids
+    assert _ran_past_the_end(spy, result)  # the prompt's own end-of-turn was drafted, then more
+
+
+def test_stop_string_inside_a_drafted_block_ends_the_sequence_there(loaded, engine, costs):
+    request = _chat(f"Repeat this text exactly: {COPY_TEXT}", max_tokens=120, stop=["Elm"])
+    spy = SpyDrafter(NgramDrafter(max_n=4, min_n=1))
+    result = SpeculativeEngine(loaded, spy, k=8, costs=costs).generate([request])[0]
+    plain = engine.generate([request])[0]
+    assert (result.token_ids, result.text) == (plain.token_ids, plain.text)
+    assert result.finish_reason == "stop" and "Elm" not in result.text and result.text
+    assert _ran_past_the_end(spy, result)
+
+
+def test_k_larger_than_the_tokens_left_never_runs_past_max_tokens(loaded, costs, plain_outputs):
+    request = PROMPTS[0].model_copy(update={"max_tokens": 5})
+    result = SpeculativeEngine(loaded, NgramDrafter(max_n=4, min_n=1), k=8, costs=costs).generate([request])[0]
+    assert result.token_ids == plain_outputs[0][:5] and result.finish_reason == "length"
+    assert all(k <= 3 for k in result.speculation.k_history)  # 4 tokens left after the first: k ≤ 3
+
+
+def test_no_ngram_match_falls_back_to_plain_steps(loaded, costs, engine):
+    request = GenerationRequest(prompt="Zebra quantum", max_tokens=6)
+    result = SpeculativeEngine(loaded, NgramDrafter(max_n=4, min_n=3), k=4, costs=costs).generate([request])[0]
+    assert result.token_ids == engine.generate([request])[0].token_ids
+    assert result.speculation.steps == len(result.token_ids) - 1
+    assert result.speculation.drafts < result.speculation.steps
+
+
+def test_k_zero_is_plain_decoding_and_never_starts_the_drafter(loaded, costs, plain_outputs):
+    spy = SpyDrafter(NgramDrafter())
+    results = SpeculativeEngine(loaded, spy, k=0, costs=costs).generate(PROMPTS[:3])
+    assert [r.token_ids for r in results] == plain_outputs[:3]
+    assert not spy.started and all(r.speculation.drafts == 0 for r in results)
+
+
+def test_stats_have_vllm_meaning_and_add_up(loaded, costs):
+    engine = SpeculativeEngine(loaded, NgramDrafter(max_n=4, min_n=1), k=4, costs=costs)
+    results = engine.generate(PROMPTS[:4])
+    totals = engine.totals
+    per_request = [r.speculation for r in results]
+    assert totals.drafts == sum(s.drafts for s in per_request)
+    assert totals.accepted_tokens == sum(s.accepted_tokens for s in per_request)
+    for s, r in zip(per_request, results, strict=True):
+        assert s.acceptance_rate == pytest.approx(s.accepted_tokens / s.draft_tokens)
+        assert s.mean_accepted_length == pytest.approx(1 + s.accepted_tokens / s.drafts)
+        assert sum(s.accepted_per_position) == s.accepted_tokens
+        assert s.accepted_per_position == sorted(s.accepted_per_position, reverse=True)
+        # every step emits accepted drafts + one token of the target's
+        assert 1 + s.steps + s.accepted_tokens >= r.completion_tokens
+        assert s.target_step_s > 0 and s.gamma >= 0
+
+
+def test_invalid_k_is_refused(loaded):
+    with pytest.raises(RequestError, match="k must be"):
+        SpeculativeEngine(loaded, NgramDrafter(), k=-1)
+    with pytest.raises(RequestError, match="k_max"):
+        SpeculativeEngine(loaded, NgramDrafter(), k="auto", k_max=0)
+
+
+# ---- sampling on tiny models: exactness in distribution, seeds, batch independence ----
+
+SAMPLING = SamplingParams(temperature=1.0, top_k=6)
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tiny_target):
+    """A tiny target and a drafter that mostly agrees with it (its weights plus noise)."""
+    return tiny_target, perturbed(tiny_target.model, noise=0.4, seed=9)
+
+
+def _tiny_engine(tiny_pair, k=2, drafter=None):
+    target, draft_model = tiny_pair
+    vocab = target.model.config.vocab_size
+    drafter = drafter or ModelDrafter(draft_model, target.tokenizer.pad_token_id, vocab)
+    return SpeculativeEngine(target, drafter, k=k)
+
+
+def _exact_joint(target, prompt_ids: list[int], params: SamplingParams) -> dict[tuple[int, int], float]:
+    """P(second, third generated token) under plain sampling, summed over every first token."""
+    model = target.model
+    joint: dict[tuple[int, int], float] = {}
+    with torch.inference_mode():
+        p1 = target_probs(model(input_ids=torch.tensor([prompt_ids])).logits[:, -1], [params])[0]
+        for x1 in p1.nonzero().flatten().tolist():
+            p2 = target_probs(model(input_ids=torch.tensor([prompt_ids + [x1]])).logits[:, -1], [params])[0]
+            seconds = p2.nonzero().flatten().tolist()
+            prefixes = torch.tensor([prompt_ids + [x1, x2] for x2 in seconds])
+            p3 = target_probs(model(input_ids=prefixes).logits[:, -1], [params] * len(seconds))
+            for row, x2 in enumerate(seconds):
+                for x3 in p3[row].nonzero().flatten().tolist():
+                    key = (x2, x3)
+                    joint[key] = joint.get(key, 0.0) + float(p1[x1] * p2[x2] * p3[row, x3])
+    return joint
+
+
+def _matches_target(samples: list[tuple[int, int]], joint: dict[tuple[int, int], float]) -> bool:
+    """The decision every sampling check uses: no sample outside the target's support, and a χ²
+    goodness-of-fit p-value above 1e-3 (bins expecting fewer than 5 samples merged)."""
+    if any(s not in joint for s in samples):
+        return False
+    n = len(samples)
+    big = [key for key in sorted(joint, key=joint.get, reverse=True) if joint[key] * n >= 5]
+    counts = dict.fromkeys(joint, 0)
+    for s in samples:
+        counts[s] += 1
+    observed = [counts[key] for key in big] + [n - sum(counts[key] for key in big)]
+    expected = [joint[key] * n for key in big] + [n * (1 - sum(joint[key] for key in big))]
+    if expected[-1] < 1e-9:
+        observed, expected = observed[:-1], expected[:-1]
+    scale = sum(observed) / sum(expected)
+    return float(chisquare(observed, [e * scale for e in expected]).pvalue) > 1e-3
+
+
+def _sample_pairs(engine, prompt: str, other: str, batches: int) -> list[tuple[int, int]]:
+    """Tokens 2 and 3 of many seeded generations, in batches that mix in a prompt of another length."""
+    pairs = []
+    for b in range(batches):
+        requests = [
+            GenerationRequest(
+                prompt=other if row in (2, 5) else prompt,
+                max_tokens=4,
+                ignore_eos=True,
+                sampling=SAMPLING.model_copy(update={"seed": b * 100 + row}),
+            )
+            for row in range(8)
+        ]
+        results = engine.generate(requests)
+        pairs += [tuple(r.token_ids[1:3]) for row, r in enumerate(results) if row not in (2, 5)]
+    return pairs
+
+
+def test_sampled_tokens_follow_the_targets_distribution_end_to_end(tiny_pair):
+    target, _ = tiny_pair
+    engine = _tiny_engine(tiny_pair, k=2)
+    prompt, other = "Once upon a time", "A much longer prompt about a completely different topic, namely"
+    samples = _sample_pairs(engine, prompt, other, batches=400)
+    prompt_ids = target.tokenizer(prompt).input_ids
+    joint = _exact_joint(target, prompt_ids, SAMPLING)
+    assert engine.totals.accepted_tokens > 0.1 * engine.totals.draft_tokens  # both paths are exercised
+    assert engine.totals.accepted_tokens < 0.95 * engine.totals.draft_tokens
+    assert _matches_target(samples, joint)
+
+
+def test_the_end_to_end_check_catches_a_classic_bug(tiny_pair, monkeypatch):
+    """Resampling a rejected position from p instead of norm(max(0, p − q)) over-weights the
+    drafter's favourites while staying inside the target's support: the same check, on the
+    same number of samples, must reject it."""
+    monkeypatch.setattr("backends.speculative.rejection.residual", lambda p, q: p)
+    target, _ = tiny_pair
+    engine = _tiny_engine(tiny_pair, k=2)
+    prompt = "Once upon a time"
+    samples = _sample_pairs(engine, prompt, "A much longer prompt about a completely different topic, namely", 400)
+    joint = _exact_joint(target, target.tokenizer(prompt).input_ids, SAMPLING)
+    assert all(s in joint for s in samples)  # no sample leaves the support: only the χ² test can tell
+    assert not _matches_target(samples, joint)
+
+
+def test_seeded_sampling_reproduces_exactly(tiny_pair):
+    request = GenerationRequest(
+        prompt="Hello there", max_tokens=20, ignore_eos=True, sampling=SAMPLING.model_copy(update={"seed": 7})
+    )
+    first = _tiny_engine(tiny_pair, k=3).generate([request])[0]
+    again = _tiny_engine(tiny_pair, k=3).generate([request])[0]
+    assert first.token_ids == again.token_ids and first.seed == 7
+
+
+def test_a_sampled_row_does_not_depend_on_its_batch_mates(tiny_pair):
+    request = GenerationRequest(
+        prompt="Hello there", max_tokens=20, ignore_eos=True, sampling=SAMPLING.model_copy(update={"seed": 11})
+    )
+    others = [
+        GenerationRequest(
+            prompt="Something else entirely, and longer",
+            max_tokens=12,
+            ignore_eos=True,
+            sampling=SAMPLING.model_copy(update={"seed": s}),
+        )
+        for s in (1, 2)
+    ]
+    engine = _tiny_engine(tiny_pair, k=3)
+    alone = engine.generate([request])[0]
+    batched = engine.generate([others[0], request, others[1]])[1]
+    assert batched.token_ids == alone.token_ids
+
+
+# ---- the formula: a synthetic drafter accepted with known probability α ----
+
+
+class OracleDrafter(Drafter):
+    """Knows the target's greedy continuation; each drafted token is right with probability α."""
+
+    name = "oracle"
+
+    def __init__(self, continuation: dict[int, list[int]], alpha: float, vocab: int, seed: int):
+        self.continuation, self.alpha, self.vocab = continuation, alpha, vocab
+        self.rng = np.random.default_rng(seed)
+
+    def propose(self, rows, ks):
+        tokens = []
+        for row, k in zip(rows, ks, strict=True):
+            truth = self.continuation[len(row.prompt_ids)][len(row.token_ids) : len(row.token_ids) + k]
+            wrong = self.rng.random(len(truth)) >= self.alpha
+            tokens.append([(t + 1) % self.vocab if w else t for t, w in zip(truth, wrong, strict=True)])
+        return Proposal(tokens)
+
+
+@pytest.mark.parametrize("alpha,k", [(0.6, 3), (0.85, 5)])
+def test_mean_accepted_length_matches_the_closed_form(tiny_target, alpha, k):
+    prompts = ["The first", "A second prompt", "Third one here ok", "And the fourth prompt is longest"]
+    requests = [GenerationRequest(prompt=p, max_tokens=300, ignore_eos=True) for p in prompts]
+    truth = PlainEngine(tiny_target).generate(requests)
+    lengths = {r.prompt_tokens: r.token_ids for r in truth}
+    assert len(lengths) == len(prompts), "prompt lengths must differ to key the oracle"
+    drafter = OracleDrafter(lengths, alpha, tiny_target.model.config.vocab_size, seed=3)
+    results = SpeculativeEngine(tiny_target, drafter, k=k).generate(requests)
+    assert [r.token_ids for r in results] == [t.token_ids for t in truth]
+    accepted = []
+    for r in results:
+        per_draft = r.speculation.accepted_per_position
+        assert per_draft and r.speculation.drafts > 50
+        accepted.append(r.speculation)
+    # Only full-k drafts (the last few steps draft fewer, near max_tokens) are compared with E(α, k).
+    full = [s for s in accepted]
+    drafts = sum(s.drafts for s in full)
+    mean_length = 1 + sum(s.accepted_tokens for s in full) / drafts
+    outcomes = np.arange(k + 1)
+    probs = np.array([alpha**n * (1 - alpha) for n in range(k)] + [alpha**k])
+    variance = float((probs * (outcomes + 1) ** 2).sum() - expected_tokens(alpha, k) ** 2)
+    assert abs(mean_length - expected_tokens(alpha, k)) < 4 * (variance / drafts) ** 0.5 + 0.02
