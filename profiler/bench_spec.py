@@ -56,6 +56,7 @@ class RunStats(BaseModel):
     tokens_per_s: float
     speedup: float = Field(description="tokens/s over plain tokens/s on the same prompts")
     identical: bool = Field(description="greedy tokens equal plain decoding's, every prompt")
+    diverged_prompts: int = Field(0, description="prompts whose greedy tokens differ from plain decoding's")
     acceptance_rate: float | None = None
     mean_accepted_length: float | None = None
     gamma: float | None = None
@@ -83,7 +84,7 @@ class BenchSpecReport(BaseModel):
 class _Tally:
     tokens: int = 0
     seconds: float = 0.0
-    identical: bool = True
+    diverged: int = 0
     results: list[GenerationResult] = field(default_factory=list)
 
 
@@ -199,7 +200,7 @@ def _category(
         for name, output in outputs.items():
             tokens = _tokens(output)
             tallies[name].tokens += len(tokens)
-            tallies[name].identical &= tokens == reference
+            tallies[name].diverged += tokens != reference
     plain_rate = tallies[PLAIN].tokens / tallies[PLAIN].seconds
     runs = [_run_stats(name, tally, plain_rate) for name, tally in tallies.items()]
     rates = {run.name: run.tokens_per_s for run in runs}
@@ -234,7 +235,8 @@ def _run_stats(name: str, tally: _Tally, plain_rate: float) -> RunStats:
         seconds=tally.seconds,
         tokens_per_s=rate,
         speedup=rate / plain_rate,
-        identical=tally.identical,
+        identical=tally.diverged == 0,
+        diverged_prompts=tally.diverged,
         **spec,
     )
 
@@ -291,5 +293,5 @@ def _run_line(run: RunStats) -> str:
     return (
         f"  {run.name:28} {run.tokens_per_s:7.1f} {run.speedup:7.2f}× {number(run.acceptance_rate):>5} "
         f"{number(run.mean_accepted_length):>7} {number(run.gamma, 3):>6} {number(run.mean_k, 1):>5}  "
-        f"{'yes' if run.identical else 'NO'}"
+        f"{'yes' if run.identical else f'NO ({run.diverged_prompts} differ)'}"
     )

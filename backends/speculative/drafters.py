@@ -80,7 +80,7 @@ class NgramDrafter(Drafter):
 
     name = "ngram"
 
-    def __init__(self, max_n: int = 4, min_n: int = 1):
+    def __init__(self, max_n: int = 4, min_n: int = 2):
         if not 1 <= min_n <= max_n:
             raise ValueError(f"need 1 <= min_n <= max_n (got min_n={min_n}, max_n={max_n})")
         self.max_n, self.min_n = max_n, min_n
@@ -149,16 +149,14 @@ class ModelDrafter(Drafter):
         if steps == 0:
             return Proposal([[] for _ in rows])
         pending = self._rollback_to_context(rows)
-        logits = self.cache.extend(pending)
-        last = torch.tensor([len(p) - 1 for p in pending], device=logits.device)
-        logits = logits[torch.arange(len(rows)), last]
+        logits = self.cache.extend_last(pending)
         tokens, dists = [], []
         for step in range(steps):
             token, q = self._draw(logits, rows, [step < k for k in ks])
             tokens.append(token)
             dists.append(q)
             if step + 1 < steps:
-                logits = self.cache.extend([[t] for t in token.tolist()])[:, -1]
+                logits = self.cache.extend_last([[t] for t in token.tolist()])
         drafted = torch.stack(tokens, dim=1).tolist()
         for b, row in enumerate(rows):
             self.cached[b] = self.cached[b] + pending[b] + drafted[b][:-1]

@@ -192,7 +192,8 @@ class SpeculativeEngine:
             chooser = None
             if self.k == "auto":
                 # A new request starts from what this drafter achieved on earlier ones.
-                tracker = AcceptanceTracker(prior_alpha=self.acceptance.alpha)
+                # Weight 4: a drafter known to fail rarely tempts a request into a costly first draft.
+                tracker = AcceptanceTracker(prior_alpha=self.acceptance.alpha, prior_weight=4.0)
                 chooser = KChooser(self.k_max, tracker, np.random.default_rng(seed))
             stats = SpeculationStats(drafter=self.drafter.name, k_mode=str(self.k))
             rows.append(_Row(state, draft, stats, chooser))

@@ -54,6 +54,21 @@ class BatchedCache:
         at every block position, (B, T, V). The block is right-padded to `width` (≥ the longest
         block): padding sits after a row's real tokens, so causal attention keeps it invisible to
         them, and it stays a hole in the cache."""
+        input_ids, positions = self._append(blocks, width)
+        return self._forward(input_ids, positions, logits_to_keep=input_ids.shape[1])
+
+    def extend_last(self, blocks: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Like `extend`, but only the logits after each row's last new token, (B, V): catching up
+        on many tokens then costs no LM-head work for positions nobody samples from."""
+        counts = [max(len(b), 1) for b in blocks]
+        input_ids, positions = self._append(blocks, None)
+        wanted = sorted(set(c - 1 for c in counts))
+        logits = self._forward(input_ids, positions, logits_to_keep=torch.tensor(wanted, device=self.device))
+        columns = torch.tensor([wanted.index(c - 1) for c in counts], device=self.device)
+        return logits[torch.arange(len(blocks), device=self.device), columns]
+
+    def _append(self, blocks: Sequence[Sequence[int]], width: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Right-padded input ids and positions for a block; the mask and lengths grow with it."""
         counts = torch.tensor([len(b) for b in blocks], device=self.device)
         width = max(int(counts.max()), 1) if width is None else width
         input_ids = torch.full((len(blocks), width), self.pad_id, dtype=torch.long, device=self.device)
@@ -63,7 +78,7 @@ class BatchedCache:
         self.mask = torch.cat([self.mask, (columns < counts.unsqueeze(1)).long()], dim=1)
         positions = self.lengths.unsqueeze(1) + columns
         self.lengths = self.lengths + counts
-        return self._forward(input_ids, positions, logits_to_keep=width)
+        return input_ids, positions
 
     def truncate(self, lengths: torch.Tensor | Sequence[int]) -> None:
         """Keep the first lengths[b] valid tokens of each row; later ones become holes."""
@@ -105,7 +120,9 @@ class BatchedCache:
         if holes >= COMPACT_MIN_COLUMNS and holes >= COMPACT_SHARE * self.mask.shape[1]:
             self.compact()
 
-    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_to_keep: int) -> torch.Tensor:
+    def _forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, logits_to_keep: int | torch.Tensor
+    ) -> torch.Tensor:
         # Without holes the mask says nothing the causal mask does not: skip building a 4-D mask.
         attention_mask = None if bool(self.mask.all()) else self.mask
         out = self.model(

@@ -72,6 +72,27 @@ def test_seeded_sampling_from_the_cli_reproduces(capsys, loaded):
     assert first["token_ids"] == second["token_ids"] and first["seed"] == 3
 
 
+@pytest.mark.slow
+def test_speculative_generate_prints_text_timing_and_stats(capsys, loaded):
+    prompt = "Repeat exactly: The Riverside library will close on March 3 for renovations."
+    code, out, err = _run(capsys, "generate", prompt, "--speculative", "ngram", "--k", "4", "--max-tokens", "30")
+    plain = _run(capsys, "generate", prompt, "--max-tokens", "30")[1]
+    assert code == 0 and out == plain  # greedy: the very same text as plain decoding
+    assert "[speculative ngram]" in err and "tok/s" in err
+    assert "[ngram] k=4" in err and "α" in err and "mean accepted length" in err and "γ" in err
+
+
+@pytest.mark.slow
+def test_speculative_generate_json_carries_the_stats(capsys, loaded):
+    argv = ("generate", "Hi", "--speculative", "early-exit", "--exit-layer", "2", "--max-tokens", "6", "--json")
+    code, out, _ = _run(capsys, *argv)
+    payload = json.loads(out)
+    assert code == 0 and payload["engine"] == "speculative early-exit"
+    stats = payload["speculation"]
+    assert stats["drafter"] == "early-exit-2" and stats["k_mode"] == "auto"
+    assert {"acceptance_rate", "mean_accepted_length", "gamma", "accepted_per_position", "k_history"} <= stats.keys()
+
+
 @pytest.mark.parametrize(
     ("argv", "hint"),
     [
@@ -84,6 +105,10 @@ def test_seeded_sampling_from_the_cli_reproduces(capsys, loaded):
         (["--messages", '[{"role": "user"}]'], "messages.0.content: Field required"),
         (["--messages", "not json"], "neither a JSON list, an existing file, nor -"),
         (["--raw", "--system", "be brief"], "--system needs the chat template: drop --raw"),
+        (["--speculative", "ngram", "--k", "two"], "--k takes a non-negative integer or 'auto' (got 'two')"),
+        (["--speculative", "ngram", "--ngram-min", "5"], "ngram_min (5) must not exceed ngram_max (4)"),
+        (["--speculative", "early-exit", "--exit-layer", "99"], "exit layer must be between 1 and 29"),
+        (["--speculative", "model", "--draft-dtype", "float32"], "the draft model is the target itself"),
     ],
 )
 def test_bad_generate_arguments_exit_2_with_what_to_change(capsys, argv, hint):

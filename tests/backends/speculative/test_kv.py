@@ -88,3 +88,15 @@ def test_truncate_cannot_lengthen_a_row(tiny_target):
         cache.prefill([[5, 6]])
     with pytest.raises(ValueError):
         cache.truncate([3])
+
+
+@torch.inference_mode()
+def test_extend_last_returns_the_logits_after_each_rows_last_new_token(tiny_target):
+    model = tiny_target.model
+    full, last = BatchedCache(model, PAD), BatchedCache(model, PAD)
+    for cache in (full, last):
+        cache.prefill([[5, 6, 7], [8, 9]])
+    blocks = [[10, 11, 12, 13], [14]]
+    every = full.extend(blocks)
+    torch.testing.assert_close(last.extend_last(blocks), torch.stack([every[0, 3], every[1, 0]]))
+    assert last.lengths.tolist() == full.lengths.tolist() == [7, 3]

@@ -1,0 +1,53 @@
+import json
+
+import pytest
+from pydantic import ValidationError
+
+from profiler.bench_spec import BenchSpecConfig, render_report, run_bench_spec
+from router.cli import main
+
+pytestmark = pytest.mark.slow
+
+
+def test_bench_spec_compares_every_configuration_on_the_same_prompts(loaded):
+    config = BenchSpecConfig(
+        max_tokens=6, categories=["rag"], prompts_per_category=1, drafters=["ngram"], fixed_k=2, k_max=3
+    )
+    report = run_bench_spec(config)
+    [category] = report.categories
+    names = [run.name for run in category.runs]
+    assert names == ["plain", "ngram k=2", "ngram k=auto", "transformers prompt lookup"]
+    for run in category.runs:
+        assert run.identical, f"{run.name} produced different greedy tokens"
+        assert run.tokens_per_s == pytest.approx(run.tokens / run.seconds)
+    plain = category.runs[0].tokens_per_s
+    auto = category.runs[2]
+    assert auto.speedup == pytest.approx(auto.tokens_per_s / plain)
+    assert auto.acceptance_rate is not None and category.runs[3].acceptance_rate is None
+    ratio = category.versus_transformers["ngram k=auto / transformers prompt lookup"]
+    assert ratio == pytest.approx(auto.tokens_per_s / category.runs[3].tokens_per_s)
+    assert set(report.step_costs_ms) >= {"1", "2", "3", "4"}
+    text = render_report(report)
+    assert "rag (1 prompts)" in text and "ours over transformers" in text
+
+
+def test_bench_spec_cli_writes_json(tmp_path, capsys, loaded):
+    out = tmp_path / "spec.json"
+    argv = ["bench", "spec", "--max-tokens", "4", "--categories", "qa", "--prompts", "1", "--drafters", "ngram"]
+    code = main([*argv, "--no-transformers", "--fixed-k", "2", "--out", str(out)])
+    assert code == 0 and "results written to" in capsys.readouterr().out
+    saved = json.loads(out.read_text())
+    assert saved["categories"][0]["category"] == "qa"
+    assert [r["name"] for r in saved["categories"][0]["runs"]] == ["plain", "ngram k=2", "ngram k=auto"]
+
+
+def test_unknown_category_is_refused(loaded):
+    with pytest.raises(ValueError, match="unknown categories"):
+        run_bench_spec(BenchSpecConfig(categories=["poetry"], drafters=["ngram"], transformers=False))
+
+
+def test_bench_spec_config_rejects_nonsense():
+    with pytest.raises(ValidationError):
+        BenchSpecConfig(drafters=["magic"])
+    with pytest.raises(ValidationError):
+        BenchSpecConfig(max_tokens=1)
