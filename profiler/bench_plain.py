@@ -73,9 +73,7 @@ def run_bench_plain(config: BenchPlainConfig) -> BenchPlainReport:
     loaded = load_model(config.model, config.dtype, config.device, config.threads)
     engine = PlainEngine(loaded)
     requests = [
-        GenerationRequest(
-            messages=[ChatMessage(role="user", content=p)], max_tokens=config.max_tokens, ignore_eos=True
-        )
+        GenerationRequest(messages=[ChatMessage(role="user", content=p)], max_tokens=config.max_tokens, ignore_eos=True)
         for p in BENCH_PROMPTS
     ]
     total = 2 * config.rounds * len(requests) + len(config.batch_sizes) + 1
@@ -201,15 +199,16 @@ def render_report(report: BenchPlainReport) -> str:
         "batch scaling (plain engine):",
         "  batch      tok/s   step ms   × batch-1 tok/s",
     ]
-    lines += [f"  {p.batch_size:5d} {p.tokens_per_s:10.1f} {p.step_ms:9.1f} {p.tokens_per_s / base:10.2f}×"
-              for p in report.batches]
+    lines += [
+        f"  {p.batch_size:5d} {p.tokens_per_s:10.1f} {p.step_ms:9.1f} {p.tokens_per_s / base:10.2f}×"
+        for p in report.batches
+    ]
     lines += [
         "",
         "physical limit (batch-1 decode step):",
         f"  {bw.weight_bytes / 1e6:.1f} MB of weights × {1e3 / bw.decode_step_ms:.1f} steps/s = "
         f"{bw.achieved_bytes_per_s / 1e9:.2f} GB/s achieved",
-        f"  memory copy bandwidth measured now: {bw.copy_bytes_per_s / 1e9:.2f} GB/s  →  "
-        f"{bw.fraction:.1%} of it",
+        f"  memory copy bandwidth measured now: {bw.copy_bytes_per_s / 1e9:.2f} GB/s  →  {bw.fraction:.1%} of it",
         f"  one matrix-vector product over the LM head: {bw.matvec_bytes_per_s / 1e9:.2f} GB/s  →  "
         f"{bw.matvec_fraction:.1%} of that kernel ceiling",
     ]

@@ -74,7 +74,9 @@ class BenchSpecReport(BaseModel):
     machine: MachineInfo
     model: dict[str, object]
     config: BenchSpecConfig
-    step_costs_ms: dict[str, float] = Field(description="measured target pass at batch 1, by new tokens per pass")
+    step_costs_ms: dict[str, float] = Field(
+        description="target forward pass at batch 1 by new tokens per pass: probed, then tracked over the run"
+    )
     categories: list[CategoryResult]
     geomean_speedup: dict[str, float] = Field(description="per configuration, over categories")
     geomean_versus_transformers: dict[str, float]
@@ -119,11 +121,9 @@ def _runners(config: BenchSpecConfig, loaded: LoadedModel) -> tuple[dict[str, Ru
     runners: dict[str, Runner] = {PLAIN: lambda r: plain.generate([r])[0]}
     pairs: dict[str, str] = {}
     for kind in config.drafters:
-        drafter_config = config.drafter.model_copy(update={"kind": kind})
-        for k in (config.fixed_k, "auto"):
-            engine = SpeculativeEngine(
-                loaded, build_drafter(drafter_config, loaded), k=k, k_max=config.k_max, costs=costs
-            )
+        drafter = build_drafter(config.drafter.model_copy(update={"kind": kind}), loaded)
+        for k in (config.fixed_k, "auto"):  # a fresh drafter per engine, sharing any draft model
+            engine = SpeculativeEngine(loaded, drafter.fresh(), k=k, k_max=config.k_max, costs=costs)
             runners[f"{kind} k={k}"] = _engine_runner(engine)
         if not config.transformers:
             continue
@@ -272,7 +272,7 @@ def render_report(report: BenchSpecReport) -> str:
     ]
     if report.step_costs_ms:
         costs = "  ".join(f"{w}:{ms:.0f}" for w, ms in report.step_costs_ms.items())
-        lines.append(f"measured target pass (ms) by new tokens per pass: {costs}")
+        lines.append(f"target pass (ms) by new tokens per pass, probed then tracked over the run: {costs}")
     header = f"  {'configuration':28} {'tok/s':>7} {'speedup':>8} {'α':>5} {'acc.len':>7} {'γ':>6} {'k̄':>5}  same"
     for category in report.categories:
         lines += ["", f"{category.category} ({category.prompts} prompts)", header]

@@ -84,7 +84,7 @@ def _add_speculative_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--speculative", choices=["ngram", "model", "early-exit"], help="draft with this drafter (default: plain)"
     )
-    group.add_argument("--k", default="auto", help="drafted tokens per step: an integer, or auto (default)")
+    group.add_argument("--k", help="drafted tokens per step: an integer, or auto (default)")
     group.add_argument("--k-max", type=int, default=8, help="largest k that --k auto may choose")
     group.add_argument("--ngram-max", type=int, default=4, help="ngram: longest suffix n-gram to look up")
     group.add_argument("--ngram-min", type=int, default=2, help="ngram: shortest suffix n-gram to accept")
@@ -150,6 +150,8 @@ def _engine(args: argparse.Namespace, loaded: object) -> object:
     from backends.plain import PlainEngine
 
     if args.speculative is None:
+        if args.k is not None:
+            raise UsageError("--k needs --speculative: pick a drafter (ngram, model or early-exit)")
         return PlainEngine(loaded)
     from backends.speculative.engine import SpeculativeEngine
     from backends.speculative.factory import DrafterConfig, build_drafter
@@ -162,7 +164,9 @@ def _engine(args: argparse.Namespace, loaded: object) -> object:
         draft_dtype=args.draft_dtype,
         exit_layer=args.exit_layer,
     )
-    return SpeculativeEngine(loaded, build_drafter(drafter_config, loaded), k=parse_k(args.k), k_max=args.k_max)
+    return SpeculativeEngine(
+        loaded, build_drafter(drafter_config, loaded), k=parse_k(args.k or "auto"), k_max=args.k_max
+    )
 
 
 def parse_k(text: str) -> int | str:

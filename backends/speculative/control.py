@@ -20,28 +20,42 @@ def batch_bucket(batch: int) -> int:
 
 @dataclass
 class StepCosts:
-    """Seconds of one target pass with T new tokens per row at batch b, probed once per batch
-    bucket and then tracked from the passes the engine actually runs (moving average)."""
+    """Seconds of one target forward pass with T new tokens per row at batch b.
+
+    Each batch bucket is probed once for every width (best of a few runs over a short context),
+    which gives the curve's *shape*; the passes the engine then runs rescale the bucket's whole
+    curve (moving average), which tracks its *level* as contexts grow. Rescaling the curve rather
+    than single entries keeps widths that are measured and widths that are not comparable.
+    The table depends only on the target, so engines serving one target may share it.
+    """
 
     probe: Probe
     max_width: int
     smoothing: float = 0.2
     target_s: dict[tuple[int, int], float] = field(default_factory=dict)
-    draft_s_per_token: dict[int, float] = field(default_factory=dict)
+
+    def ensure(self, batch: int) -> None:
+        """Probe every bucket a batch of this size can shrink through, so no probe stalls a run."""
+        bucket = batch_bucket(batch)
+        while bucket >= 1:
+            if (bucket, 1) not in self.target_s:
+                measured = self.probe(bucket, list(range(1, self.max_width + 1)))
+                self.target_s.update({(bucket, w): s for w, s in measured.items()})
+            bucket //= 2
 
     def seconds(self, batch: int, width: int) -> float:
-        bucket = batch_bucket(batch)
-        if (bucket, width) not in self.target_s:
-            widths = range(1, max(self.max_width, width) + 1)
-            self.target_s.update({(bucket, w): s for w, s in self.probe(bucket, list(widths)).items()})
-        return self.target_s[(bucket, width)]
+        if not 1 <= width <= self.max_width:
+            raise ValueError(f"width {width} is outside the measured 1..{self.max_width}")
+        self.ensure(batch)
+        return self.target_s[(batch_bucket(batch), width)]
 
     def record_target(self, batch: int, width: int, seconds: float) -> None:
-        self._blend(self.target_s, (batch_bucket(batch), width), seconds)
-
-    def record_draft(self, batch: int, tokens: int, seconds: float) -> None:
-        if tokens > 0:
-            self._blend(self.draft_s_per_token, batch_bucket(batch), seconds / tokens)
+        """A real forward pass of this width took `seconds`: move the bucket's curve toward it."""
+        bucket = batch_bucket(batch)
+        ratio = seconds / self.seconds(batch, width)
+        factor = 1.0 + self.smoothing * (ratio - 1.0)
+        for w in range(1, self.max_width + 1):
+            self.target_s[(bucket, w)] *= factor
 
     def verify_costs(self, batch: int) -> list[float]:
         """v(b, k) for k = 0..max_width-1: the cheapest pass of at least k+1 tokens (the engine pads
@@ -49,21 +63,31 @@ class StepCosts:
         step = self.seconds(batch, 1)
         return [self.seconds(batch, self.cheapest_width(batch, k + 1)) / step for k in range(self.max_width)]
 
-    def draft_cost(self, batch: int) -> float | None:
-        """c: one drafted token's time over one target step; None until measured."""
-        per_token = self.draft_s_per_token.get(batch_bucket(batch))
-        return None if per_token is None else per_token / self.seconds(batch, 1)
-
     def cheapest_width(self, batch: int, needed: int) -> int:
         """The cheapest pass width ≥ needed: padding a verify block costs nothing in correctness,
         and some matrix shapes run slower than wider ones."""
-        if needed > self.max_width:
-            return needed
         return min(range(needed, self.max_width + 1), key=lambda w: (self.seconds(batch, w), w))
 
-    def _blend(self, table: dict, key: object, seconds: float) -> None:
-        old = table.get(key)
-        table[key] = seconds if old is None else (1 - self.smoothing) * old + self.smoothing * seconds
+
+@dataclass
+class DraftCosts:
+    """One drafter's seconds per sequential draft step at each batch bucket (moving average).
+    Kept per engine: drafters differ by orders of magnitude, so their costs must not mix."""
+
+    smoothing: float = 0.2
+    step_s: dict[int, float] = field(default_factory=dict)
+
+    def record(self, batch: int, steps: int, seconds: float) -> None:
+        if steps <= 0:
+            return
+        bucket, per_step = batch_bucket(batch), seconds / steps
+        old = self.step_s.get(bucket)
+        self.step_s[bucket] = per_step if old is None else (1 - self.smoothing) * old + self.smoothing * per_step
+
+    def relative(self, batch: int, target: StepCosts) -> float | None:
+        """c: one draft step over one target step at this batch; None until measured."""
+        per_step = self.step_s.get(batch_bucket(batch))
+        return None if per_step is None else per_step / target.seconds(batch, 1)
 
 
 @dataclass
@@ -114,9 +138,9 @@ class KChooser:
     tracker: AcceptanceTracker
     rng: np.random.Generator
 
-    def choose(self, costs: StepCosts, batch: int) -> int:
-        c = costs.draft_cost(batch)
-        k, _ = best_k(self.tracker.sample(self.rng), 0.0 if c is None else c, costs.verify_costs(batch), self.k_max)
+    def choose(self, c: float | None, verify_costs: list[float]) -> int:
+        """k for the next step given the drafter's cost c (None: not measured yet) and v(b, ·)."""
+        k, _ = best_k(self.tracker.sample(self.rng), 0.0 if c is None else c, verify_costs, self.k_max)
         return k
 
     def observe(self, drafted: int, accepted: int) -> None:

@@ -33,12 +33,14 @@ class DraftRow:
     def length(self) -> int:
         return len(self.prompt_ids) + len(self.token_ids)
 
-    def context(self, start: int = 0) -> list[int]:
-        """Tokens from `start` on, without copying the whole prompt when only the tail is needed."""
-        split = len(self.prompt_ids)
+    def context(self, start: int = 0, stop: int | None = None) -> list[int]:
+        """Tokens start..stop of prompt + output, copying only that slice."""
+        split, stop = len(self.prompt_ids), self.length if stop is None else min(stop, self.length)
         if start >= split:
-            return self.token_ids[start - split :]
-        return self.prompt_ids[start:] + self.token_ids
+            return self.token_ids[start - split : stop - split]
+        if stop <= split:
+            return self.prompt_ids[start:stop]
+        return self.prompt_ids[start:] + self.token_ids[: stop - split]
 
 
 @dataclass
@@ -63,6 +65,10 @@ class Drafter(ABC):
 
     def select(self, rows: Sequence[int]) -> None:  # noqa: B027 - optional hook
         """Only these rows remain in the batch (the others finished)."""
+
+    @abstractmethod
+    def fresh(self) -> Drafter:
+        """The same drafter with no per-batch state, sharing any weights: one per engine."""
 
 
 @dataclass
@@ -95,6 +101,9 @@ class NgramDrafter(Drafter):
     def select(self, rows: Sequence[int]) -> None:
         self.indexes = [self.indexes[r] for r in rows]
 
+    def fresh(self) -> NgramDrafter:
+        return NgramDrafter(self.max_n, self.min_n)
+
     def _lookup(self, row: DraftRow, index: _NgramIndex, k: int) -> list[int]:
         if k <= 0:
             return []
@@ -109,9 +118,9 @@ class NgramDrafter(Drafter):
         for n in range(self.max_n, self.min_n - 1, -1):
             if n > row.length:
                 continue
-            end = index.grams[n].get(tuple(row.context(row.length - n)))
+            end = index.grams[n].get(tuple(row.context(row.length - n)))  # the suffix n-gram
             if end is not None:
-                return row.context(end)[:k]
+                return row.context(end, end + k)
         return []
 
 
@@ -132,7 +141,6 @@ class ModelDrafter(Drafter):
         self.cache: BatchedCache | None = None
         self.cached: list[list[int]] = []  # token ids whose keys/values sit in the cache, per row
         self.synced: list[int] = []  # how many of them are known to equal the sequence's context
-        self.fed: list[int] = []
 
     @torch.inference_mode()
     def start(self, rows: Sequence[DraftRow]) -> None:
@@ -156,13 +164,21 @@ class ModelDrafter(Drafter):
             tokens.append(token)
             dists.append(q)
             if step + 1 < steps:
-                logits = self.cache.extend_last([[t] for t in token.tolist()])
+                # Only rows that still draft feed their token; the others get a hole, not a position.
+                logits = self.cache.extend_last(
+                    [[t] if step + 1 < k else [] for t, k in zip(token.tolist(), ks, strict=True)]
+                )
         drafted = torch.stack(tokens, dim=1).tolist()
-        for b, row in enumerate(rows):
-            self.cached[b] = self.cached[b] + pending[b] + drafted[b][:-1]
+        for b, (row, k) in enumerate(zip(rows, ks, strict=True)):
+            self.cached[b] = self.cached[b] + pending[b] + drafted[b][: max(k - 1, 0)]
             self.synced[b] = row.length
         q = None if dists[0] is None else torch.stack(dists, dim=1)
         return Proposal([drafted[b][:k] for b, k in enumerate(ks)], q)
+
+    def fresh(self) -> ModelDrafter:
+        drafter = ModelDrafter(self.model, self.pad_id, self.model.get_output_embeddings().weight.shape[0])
+        drafter.name = self.name
+        return drafter
 
     def observe(self, accepted: Sequence[int]) -> None:
         """Roll the cache back to the context plus the accepted drafts."""

@@ -5,6 +5,11 @@ Rows of a batch accept different counts; `BatchedCache` keeps per-row lengths an
 every row samples from its own generator, so a row's output never depends on its batch-mates.
 Tokens are emitted one at a time through `SequenceState`, so EOS, stop strings and max_tokens
 landing inside an accepted block end the sequence right there. k = 0 is a plain step.
+
+A seed reproduces a sample exactly with a fixed k. With k = auto the distribution is still the
+target's, but k follows measured timings, and k decides how many random numbers a step draws.
+
+One engine runs one `generate` call at a time (the drafter keeps per-batch state).
 """
 
 from __future__ import annotations
@@ -23,13 +28,14 @@ from ..generation import GenerationRequest, GenerationResult, SequenceState
 from ..models import LoadedModel
 from ..plain import PlainEngine
 from ..sampling import new_generator, sample_tokens, target_probs
-from .control import AcceptanceTracker, KChooser, StepCosts
+from .control import AcceptanceTracker, DraftCosts, KChooser, StepCosts
 from .drafters import Drafter, DraftRow, Proposal
 from .kv import BatchedCache
 from .rejection import accept_greedy, accept_sampled
 from .stats import SpeculationStats
 
 KSetting = int | Literal["auto"]
+K_LIMIT = 32
 PROBE_CONTEXT = 64  # tokens per row in the step-cost probe
 PROBE_REPEATS = 3
 
@@ -50,6 +56,21 @@ class _Run:
     active: list[int]
     target: BatchedCache
     drafter_started: bool = False
+    drafted_last_step: bool = False
+
+
+@dataclass
+class _Step:
+    """What one speculative step did, for the statistics and the cost tables."""
+
+    ks: list[int]
+    drafts: list[list[int]]
+    accepted: list[int]
+    draft_s: float
+    verify_s: float
+    forward_s: float
+    width: int
+    steady: bool  # the drafter also drafted the step before, so no catch-up is in draft_s
 
 
 class SpeculativeEngine:
@@ -61,16 +82,21 @@ class SpeculativeEngine:
         k_max: int = 8,
         costs: StepCosts | None = None,
     ):
-        """`costs` may be shared by engines serving the same target, so its step times are probed once."""
-        if k != "auto" and not (isinstance(k, int) and k >= 0):
-            raise RequestError(f"k must be a non-negative integer or 'auto' (got {k!r})")
-        if not 1 <= k_max <= 32:
-            raise RequestError(f"k_max must be between 1 and 32 (got {k_max})")
+        """`costs` (the target's step-time table) may be shared by engines serving the same target."""
+        if k != "auto" and not (type(k) is int and 0 <= k <= K_LIMIT):
+            raise RequestError(f"k must be an integer from 0 to {K_LIMIT} or 'auto' (got {k!r})")
+        if k == "auto" and not 1 <= k_max <= K_LIMIT:
+            raise RequestError(f"k_max must be between 1 and {K_LIMIT} (got {k_max})")
         self.plain = PlainEngine(loaded)  # prompt encoding, EOS ids and context checks are shared
         self.model, self.tokenizer = loaded.model, loaded.tokenizer
         self.drafter, self.k = drafter, k
         self.k_max = k_max if k == "auto" else k
         self.costs = costs or step_costs(loaded, max_width=self.k_max + 1)
+        if self.costs.max_width < self.k_max + 1:
+            raise ValueError(
+                f"the shared step-cost table covers widths up to {self.costs.max_width}, need {self.k_max + 1}"
+            )
+        self.draft_costs = DraftCosts()
         self.totals = SpeculationStats(drafter=drafter.name, k_mode=str(k))
         self.acceptance = AcceptanceTracker(decay=0.99)  # this drafter's acceptance across requests
         BatchedCache(self.model, self.tokenizer.pad_token_id)  # refuses models whose cache cannot roll back
@@ -79,7 +105,7 @@ class SpeculativeEngine:
     def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
         if not requests:
             return []
-        self.costs.seconds(len(requests), 1)  # probes step costs once per batch size, before the clock starts
+        self.costs.ensure(len(requests))  # step-cost probes run before any request's clock starts
         rows = self._start(requests)
         run = _Run(rows, list(range(len(rows))), BatchedCache(self.model, self.tokenizer.pad_token_id))
         logits = run.target.prefill([r.state.prompt_ids for r in rows])
@@ -92,6 +118,7 @@ class SpeculativeEngine:
     def _step(self, run: _Run) -> None:
         rows, active, batch = run.rows, run.active, len(run.active)
         ks = [self._choose_k(rows[i], batch) for i in active]
+        steady = run.drafted_last_step
         started = time.perf_counter()
         proposal = self._propose(run, ks)
         drafted_at = time.perf_counter()
@@ -100,13 +127,17 @@ class SpeculativeEngine:
         before = run.target.lengths.clone()
         blocks = [[rows[i].state.token_ids[-1], *d] for i, d in zip(active, drafts, strict=True)]
         logits = run.target.extend(blocks, width)
+        forward_s = time.perf_counter() - drafted_at
         accepted, next_tokens = self._verify(rows, active, drafts, proposal.q, logits)
         run.target.truncate(before + 1 + accepted)
         verified_at = time.perf_counter()
-        if run.drafter_started:
+        if any(ks):
             self.drafter.observe(accepted.tolist())
-        self._record(run, ks, drafts, accepted.tolist(), (drafted_at - started, verified_at - drafted_at, width))
-        emitted = [d[:n] + [int(t)] for d, n, t in zip(drafts, accepted.tolist(), next_tokens.tolist(), strict=True)]
+        run.drafted_last_step = any(ks)
+        counts = accepted.tolist()
+        step = _Step(ks, drafts, counts, drafted_at - started, verified_at - drafted_at, forward_s, width, steady)
+        self._record(run, step)
+        emitted = [d[:n] + [int(t)] for d, n, t in zip(drafts, counts, next_tokens.tolist(), strict=True)]
         self._finish_rows(run, self._emit(run, emitted))
 
     def _propose(self, run: _Run, ks: list[int]) -> Proposal:
@@ -123,18 +154,18 @@ class SpeculativeEngine:
         self, rows: list[_Row], active: list[int], drafts: list[list[int]], q: torch.Tensor | None, logits: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Accepted count and next token per row: greedy rows by argmax, sampling rows exactly."""
-        width = max(len(d) for d in drafts)
-        padded = torch.zeros((len(drafts), width), dtype=torch.long, device=logits.device)
+        draft_width = max(len(d) for d in drafts)
+        padded = torch.zeros((len(drafts), draft_width), dtype=torch.long, device=logits.device)
         for b, d in enumerate(drafts):
             padded[b, : len(d)] = torch.tensor(d, dtype=torch.long)
         lengths = torch.tensor([len(d) for d in drafts], device=logits.device)
-        logits = logits[:, : width + 1]
+        logits = logits[:, : draft_width + 1]
         accepted, next_tokens = accept_greedy(padded, lengths, logits.argmax(dim=-1))
         sampled = [b for b, i in enumerate(active) if not rows[i].draft.sampling.greedy]
         if sampled:
             params = [rows[active[b]].draft.sampling for b in sampled]
             p = target_probs(logits[sampled], params)
-            q_rows = None if q is None else q[sampled, :width]
+            q_rows = None if q is None else q[sampled, :draft_width]
             gens = [rows[active[b]].draft.generator for b in sampled]
             accepted[sampled], next_tokens[sampled] = accept_sampled(padded[sampled], lengths[sampled], p, q_rows, gens)
         return accepted, next_tokens
@@ -158,29 +189,32 @@ class SpeculativeEngine:
 
     def _choose_k(self, row: _Row, batch: int) -> int:
         state = row.state
-        k = row.chooser.choose(self.costs, batch) if row.chooser else int(self.k)
+        if row.chooser:
+            c = self.draft_costs.relative(batch, self.costs)
+            k = row.chooser.choose(c, self.costs.verify_costs(batch))
+        else:
+            k = int(self.k)
         left = state.request.max_tokens - len(state.token_ids)
         room = (self.plain.context_length or 1 << 30) - row.draft.length
         # A step emits up to k + 1 tokens: never draft past max_tokens or the context.
         return max(0, min(k, left - 1, room - 1))
 
-    def _record(
-        self, run: _Run, ks: list[int], drafts: list[list[int]], accepted: list[int], times: tuple[float, float, int]
-    ) -> None:
-        draft_s, verify_s, width = times
-        batch, drafted = len(run.active), [len(d) for d in drafts]
-        self.costs.record_draft(batch, sum(drafted), draft_s)
-        self.costs.record_target(batch, width, verify_s)
+    def _record(self, run: _Run, step: _Step) -> None:
+        batch, drafted = len(run.active), [len(d) for d in step.drafts]
+        if step.steady:  # a first draft after plain steps also pays the drafter's start-up and catch-up
+            self.draft_costs.record(batch, max(drafted), step.draft_s)
+        self.costs.record_target(batch, step.width, step.forward_s)
         step_s = self.costs.seconds(batch, 1)
-        for i, k, d, n in zip(run.active, ks, drafted, accepted, strict=True):
+        for i, k, d, n in zip(run.active, step.ks, drafted, step.accepted, strict=True):
             row = run.rows[i]
             row.stats.target_step_s = step_s
-            row.stats.record(k, [d], [n], draft_s, verify_s)
+            # A row pays drafting time only on steps it drafted in.
+            row.stats.record(k, [d], [n], step.draft_s if d else 0.0, step.verify_s)
             self.acceptance.update(d, n)
             if row.chooser:
                 row.chooser.observe(d, n)
         self.totals.target_step_s = step_s
-        self.totals.record(max(ks), drafted, accepted, draft_s, verify_s)
+        self.totals.record(max(step.ks), drafted, step.accepted, step.draft_s, step.verify_s)
 
     def _start(self, requests: Sequence[GenerationRequest]) -> list[_Row]:
         rows = []
@@ -201,7 +235,7 @@ class SpeculativeEngine:
 
 
 def step_costs(loaded: LoadedModel, max_width: int) -> StepCosts:
-    """A step-cost table for this target, probed lazily per batch size."""
+    """A step-cost table for this target, probed per batch bucket on first use."""
 
     def probe(batch: int, widths: Sequence[int]) -> dict[int, float]:
         return measure_step_times(loaded.model, loaded.tokenizer.pad_token_id, batch, widths)
@@ -223,7 +257,7 @@ def measure_step_times(model: PreTrainedModel, pad_id: int, batch: int, widths: 
         for _ in range(PROBE_REPEATS):
             block = torch.randint(0, vocab, (batch, width), generator=generator).tolist()
             started = time.perf_counter()
-            cache.extend(block)
+            float(cache.extend(block)[0, -1, 0])  # reading a value waits for an asynchronous device
             best = min(best, time.perf_counter() - started)
             cache.truncate(lengths)
         seconds[width] = best

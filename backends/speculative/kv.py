@@ -75,8 +75,12 @@ class BatchedCache:
         for row, block in enumerate(blocks):
             input_ids[row, : len(block)] = torch.tensor(list(block), dtype=torch.long)
         columns = torch.arange(width, device=self.device).unsqueeze(0)
-        self.mask = torch.cat([self.mask, (columns < counts.unsqueeze(1)).long()], dim=1)
-        positions = self.lengths.unsqueeze(1) + columns
+        real = columns < counts.unsqueeze(1)
+        self.mask = torch.cat([self.mask, real.long()], dim=1)
+        # Padding repeats the row's last position: it is a hole anyway, and must never index past
+        # the context (learned position tables) or stretch rotary scaling.
+        last = (self.lengths + counts - 1).clamp(min=0).unsqueeze(1)
+        positions = torch.where(real, self.lengths.unsqueeze(1) + columns, last)
         self.lengths = self.lengths + counts
         return input_ids, positions
 
@@ -87,11 +91,7 @@ class BatchedCache:
             raise ValueError("truncate can only shorten rows")
         self.mask = self.mask * (self.mask.cumsum(dim=1) <= lengths.unsqueeze(1))
         self.lengths = lengths
-        used = self.mask.any(dim=0).nonzero()
-        width = int(used[-1]) + 1 if len(used) else 0
-        if width < self.mask.shape[1]:
-            self.cache.crop(width - self.mask.shape[1])
-            self.mask = self.mask[:, :width]
+        self._crop_unused_tail()
         self._compact_if_sparse()
 
     def select(self, rows: Sequence[int]) -> None:
@@ -99,6 +99,7 @@ class BatchedCache:
         index = torch.tensor(list(rows), dtype=torch.long, device=self.device)
         self.cache.batch_select_indices(index)
         self.mask, self.lengths = self.mask[index], self.lengths[index]
+        self._crop_unused_tail()
         self._compact_if_sparse()
 
     def holes(self) -> int:
@@ -110,10 +111,17 @@ class BatchedCache:
         width = int(self.lengths.max())
         order = torch.argsort(self.mask, dim=1, stable=True)[:, -width:]  # valid columns, in order, last
         for layer in self.cache.layers:
-            index = order[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3])
-            layer.keys = layer.keys.gather(2, index)
-            layer.values = layer.values.gather(2, index)
+            layer.keys = _gather_columns(layer.keys, order)
+            layer.values = _gather_columns(layer.values, order)
         self.mask = self.mask.gather(1, order)
+
+    def _crop_unused_tail(self) -> None:
+        """Drop trailing columns that no row uses any more."""
+        used = self.mask.any(dim=0).nonzero()
+        width = int(used[-1]) + 1 if len(used) else 0
+        if width < self.mask.shape[1]:
+            self.cache.crop(width - self.mask.shape[1])
+            self.mask = self.mask[:, :width]
 
     def _compact_if_sparse(self) -> None:
         holes = self.holes()
@@ -133,3 +141,9 @@ class BatchedCache:
             logits_to_keep=logits_to_keep,
         )
         return out.logits
+
+
+def _gather_columns(states: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """states (B, heads, T, dim) with columns picked per row by order (B, T')."""
+    index = order[:, None, :, None].expand(-1, states.shape[1], -1, states.shape[3])
+    return states.gather(2, index)

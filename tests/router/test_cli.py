@@ -106,6 +106,8 @@ def test_speculative_generate_json_carries_the_stats(capsys, loaded):
         (["--messages", "not json"], "neither a JSON list, an existing file, nor -"),
         (["--raw", "--system", "be brief"], "--system needs the chat template: drop --raw"),
         (["--speculative", "ngram", "--k", "two"], "--k takes a non-negative integer or 'auto' (got 'two')"),
+        (["--speculative", "ngram", "--k", "40"], "k must be an integer from 0 to 32 or 'auto' (got 40)"),
+        (["--k", "3"], "--k needs --speculative"),
         (["--speculative", "ngram", "--ngram-min", "5"], "ngram_min (5) must not exceed ngram_max (4)"),
         (["--speculative", "early-exit", "--exit-layer", "99"], "exit layer must be between 1 and 29"),
         (["--speculative", "model", "--draft-dtype", "float32"], "the draft model is the target itself"),

@@ -86,6 +86,17 @@ def test_model_drafter_rolls_back_to_the_accepted_prefix(tiny_target, vocab_size
     assert drafter.propose(rows, [0, 0]).tokens == [[], []]
 
 
+def test_model_drafter_feeds_no_draft_tokens_for_rows_that_do_not_draft(tiny_target, vocab_size):
+    drafter = ModelDrafter(tiny_target.model, pad_id=2, target_vocab=vocab_size)
+    rows = [_row([5, 6, 7, 8], [9]), _row([30, 31], [32])]
+    drafter.start(rows)
+    tokens = drafter.propose(rows, [4, 0]).tokens
+    assert len(tokens[0]) == 4 and tokens[1] == []
+    assert drafter.cache.lengths.tolist() == [5 + 3, 3]  # row 0: context + 3 fed drafts; row 1: context only
+    fresh = drafter.fresh()
+    assert fresh.model is drafter.model and fresh.cache is None
+
+
 def test_model_drafter_refuses_a_different_vocabulary(tiny_target):
     other = tiny_model(vocab_size=1000, seed=3)
     with pytest.raises(ModelLoadError, match="vocabulary"):

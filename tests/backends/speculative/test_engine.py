@@ -110,6 +110,9 @@ class SpyDrafter(Drafter):
     def select(self, rows):
         self.inner.select(rows)
 
+    def fresh(self):
+        return SpyDrafter(self.inner.fresh())
+
 
 def _ran_past_the_end(spy: SpyDrafter, result) -> bool:
     """Did the last proposal draft beyond where the sequence ended?"""
@@ -176,8 +179,9 @@ def test_stats_have_vllm_meaning_and_add_up(loaded, costs):
 
 
 def test_invalid_k_is_refused(loaded):
-    with pytest.raises(RequestError, match="k must be"):
-        SpeculativeEngine(loaded, NgramDrafter(), k=-1)
+    for bad in (-1, 33, True, 2.5):
+        with pytest.raises(RequestError, match="k must be"):
+            SpeculativeEngine(loaded, NgramDrafter(), k=bad)
     with pytest.raises(RequestError, match="k_max"):
         SpeculativeEngine(loaded, NgramDrafter(), k="auto", k_max=0)
 
@@ -327,6 +331,9 @@ class OracleDrafter(Drafter):
             wrong = self.rng.random(len(truth)) >= self.alpha
             tokens.append([(t + 1) % self.vocab if w else t for t, w in zip(truth, wrong, strict=True)])
         return Proposal(tokens)
+
+    def fresh(self):
+        return OracleDrafter(self.continuation, self.alpha, self.vocab, seed=0)
 
 
 @pytest.mark.parametrize("alpha,k", [(0.6, 3), (0.85, 5)])

@@ -100,3 +100,13 @@ def test_extend_last_returns_the_logits_after_each_rows_last_new_token(tiny_targ
     every = full.extend(blocks)
     torch.testing.assert_close(last.extend_last(blocks), torch.stack([every[0, 3], every[1, 0]]))
     assert last.lengths.tolist() == full.lengths.tolist() == [7, 3]
+
+
+@torch.inference_mode()
+def test_padding_repeats_the_last_real_position_and_stays_a_hole(tiny_target):
+    cache = BatchedCache(tiny_target.model, PAD)
+    cache.prefill([[5, 6, 7], [8]])
+    input_ids, positions = cache._append([[9, 10], []], width=4)
+    assert positions.tolist() == [[3, 4, 4, 4], [0, 0, 0, 0]]  # an empty block: all padding, at its last position
+    assert cache.mask[:, -4:].tolist() == [[1, 1, 0, 0], [0, 0, 0, 0]]
+    assert cache.lengths.tolist() == [5, 1]
