@@ -127,6 +127,8 @@ class SpeculativeEngine:
         before = run.target.lengths.clone()
         blocks = [[rows[i].state.token_ids[-1], *d] for i, d in zip(active, drafts, strict=True)]
         logits = run.target.extend(blocks, width)
+        if logits.is_cuda:  # kernels run asynchronously: wait for them before reading the clock
+            torch.cuda.synchronize(logits.device)
         forward_s = time.perf_counter() - drafted_at
         accepted, next_tokens = self._verify(rows, active, drafts, proposal.q, logits)
         run.target.truncate(before + 1 + accepted)
