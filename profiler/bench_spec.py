@@ -24,6 +24,7 @@ from backends.speculative.control import StepCosts
 from backends.speculative.drafters import ModelDrafter
 from backends.speculative.engine import SpeculativeEngine, step_costs
 from backends.speculative.factory import DrafterConfig, DrafterKind, build_drafter
+from backends.speculative.stats import SpeculationStats
 
 from .hardware import MachineInfo, machine_info
 from .workloads import load_prompt_set
@@ -217,17 +218,12 @@ def _run_stats(name: str, tally: _Tally, plain_rate: float) -> RunStats:
     stats = [r.speculation for r in tally.results if r.speculation is not None]
     spec: dict[str, float] = {}
     if stats:
-        drafts = sum(s.drafts for s in stats)
-        drafted = sum(s.draft_tokens for s in stats)
-        accepted = sum(s.accepted_tokens for s in stats)
-        draft_s = sum(s.draft_time_s for s in stats)
-        step_s = sum(s.target_step_s for s in stats) / len(stats)
-        ks = [k for s in stats for k in s.k_history]
+        total = SpeculationStats.combined(stats)
         spec = {
-            "acceptance_rate": accepted / drafted if drafted else 0.0,
-            "mean_accepted_length": 1 + accepted / drafts if drafts else 1.0,
-            "gamma": draft_s / drafts / step_s if drafts and step_s else 0.0,
-            "mean_k": sum(ks) / len(ks) if ks else 0.0,
+            "acceptance_rate": total.acceptance_rate,
+            "mean_accepted_length": total.mean_accepted_length,
+            "gamma": total.gamma,
+            "mean_k": sum(total.k_history) / len(total.k_history) if total.k_history else 0.0,
         }
     return RunStats(
         name=name,

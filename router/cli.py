@@ -185,10 +185,7 @@ def run_bench_plain(args: argparse.Namespace) -> int:
     from profiler.bench_plain import BenchPlainConfig, render_report, run_bench_plain
 
     config = BenchPlainConfig(
-        model=args.model,
-        dtype=args.dtype,
-        device=args.device,
-        threads=args.threads,
+        **_model_fields(args),
         max_tokens=args.max_tokens,
         batch_sizes=_int_list(args.batches, "--batches"),
         rounds=args.rounds,
@@ -204,10 +201,7 @@ def run_bench_spec(args: argparse.Namespace) -> int:
     from profiler.bench_spec import BenchSpecConfig, render_report, run_bench_spec
 
     config = BenchSpecConfig(
-        model=args.model,
-        dtype=args.dtype,
-        device=args.device,
-        threads=args.threads,
+        **_model_fields(args),
         max_tokens=args.max_tokens,
         categories=_str_list(args.categories) if args.categories else None,
         prompts_per_category=args.prompts,
@@ -225,6 +219,11 @@ def run_bench_spec(args: argparse.Namespace) -> int:
     if args.out != "-" and not args.json:
         print(f"\nresults written to {args.out}")
     return 0
+
+
+def _model_fields(args: argparse.Namespace) -> dict[str, object]:
+    """The model flags the bench configs share."""
+    return {"model": args.model, "dtype": args.dtype, "device": args.device, "threads": args.threads}
 
 
 def _str_list(text: str) -> list[str]:

@@ -1,6 +1,6 @@
 """Drafters: strategies that propose the next k tokens of each sequence in a batch.
 
-The engine only calls `start`, `propose`, `observe` and `select`; it never looks inside.
+The engine only calls `start`, `propose`, `observe`, `select` and `fresh`; it never looks inside.
 A proposal carries the tokens and, for drafters that sample, the distribution q each token was
 drawn from (None means deterministic: q is one-hot at the token).
 """

@@ -40,6 +40,27 @@ class SpeculationStats(BaseModel):
             return 0.0
         return self.draft_time_s / self.drafts / self.target_step_s
 
+    @classmethod
+    def combined(cls, parts: Sequence[SpeculationStats]) -> SpeculationStats:
+        """Several requests' stats as one: counts and times add up, the target step is their mean."""
+        positions = max((len(p.accepted_per_position) for p in parts), default=0)
+        return cls(
+            drafter=parts[0].drafter,
+            k_mode=parts[0].k_mode,
+            steps=sum(p.steps for p in parts),
+            drafts=sum(p.drafts for p in parts),
+            draft_tokens=sum(p.draft_tokens for p in parts),
+            accepted_tokens=sum(p.accepted_tokens for p in parts),
+            accepted_per_position=[
+                sum(p.accepted_per_position[j] for p in parts if j < len(p.accepted_per_position))
+                for j in range(positions)
+            ],
+            draft_time_s=sum(p.draft_time_s for p in parts),
+            verify_time_s=sum(p.verify_time_s for p in parts),
+            target_step_s=sum(p.target_step_s for p in parts) / len(parts),
+            k_history=[k for p in parts for k in p.k_history],
+        )
+
     def record(self, k: int, drafted: Sequence[int], accepted: Sequence[int], draft_s: float, verify_s: float) -> None:
         """One target pass: the k used, and per sequence in the pass its drafted and accepted counts."""
         self.steps += 1

@@ -13,6 +13,7 @@ from backends.plain import PlainEngine
 from backends.sampling import SamplingParams, target_probs
 from backends.speculative.drafters import Drafter, ModelDrafter, NgramDrafter, Proposal, early_exit_model
 from backends.speculative.engine import SpeculativeEngine, step_costs
+from backends.speculative.stats import SpeculationStats
 from policies.cost_model import expected_tokens
 
 from .conftest import perturbed, tiny_model
@@ -168,6 +169,9 @@ def test_stats_have_vllm_meaning_and_add_up(loaded, costs):
     per_request = [r.speculation for r in results]
     assert totals.drafts == sum(s.drafts for s in per_request)
     assert totals.accepted_tokens == sum(s.accepted_tokens for s in per_request)
+    combined = SpeculationStats.combined(per_request)
+    assert (combined.drafts, combined.draft_tokens) == (totals.drafts, totals.draft_tokens)
+    assert combined.accepted_per_position == totals.accepted_per_position
     for s, r in zip(per_request, results, strict=True):
         assert s.acceptance_rate == pytest.approx(s.accepted_tokens / s.draft_tokens)
         assert s.mean_accepted_length == pytest.approx(1 + s.accepted_tokens / s.drafts)
