@@ -52,6 +52,13 @@ class GenerationRequest(BaseModel):
             raise ValueError("stop strings must be non-empty")
         return value
 
+    def text_and_turns(self) -> tuple[str, int]:
+        """The prompt's text as written (message contents joined by newlines) and its number of
+        messages: what the α predictor reads, before any chat template."""
+        if self.messages is not None:
+            return "\n".join(m.content for m in self.messages), len(self.messages)
+        return self.prompt or "", 1
+
     @model_validator(mode="after")
     def _one_input(self) -> GenerationRequest:
         if (self.prompt is None) == (self.messages is None):

@@ -150,3 +150,15 @@ def _set_threads(threads: int) -> None:
     if threads < 1:
         raise ModelLoadError(f"threads must be at least 1 (got {threads})")
     torch.set_num_threads(threads)
+
+
+def load_tokenizer(source: str | None = None) -> PreTrainedTokenizerBase:
+    """The tokenizer of a model source alone (no weights): what counting prompt tokens needs."""
+    kind, location = resolve_source(source)
+    path = Path(location)
+    try:
+        if kind == "gguf":
+            return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        return AutoTokenizer.from_pretrained(location)
+    except OSError as exc:
+        raise ModelLoadError(f"could not load the tokenizer of '{location}': {exc}") from exc

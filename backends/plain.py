@@ -12,7 +12,7 @@ import time
 from collections.abc import Sequence
 
 import torch
-from transformers import DynamicCache
+from transformers import DynamicCache, PreTrainedTokenizerBase
 from transformers.cache_utils import DynamicLayer
 
 from .errors import RequestError
@@ -31,14 +31,8 @@ class PlainEngine:
         self.context_length = getattr(self.model.config, "max_position_embeddings", None)
 
     def encode(self, request: GenerationRequest) -> list[int]:
-        """Prompt token ids; chat messages go through the tokenizer's chat template."""
-        if request.messages is not None:
-            text = self.tokenizer.apply_chat_template(
-                [m.model_dump() for m in request.messages], add_generation_prompt=True, tokenize=False
-            )
-            ids = self.tokenizer(text, add_special_tokens=False).input_ids
-        else:
-            ids = self.tokenizer(request.prompt).input_ids
+        """Prompt token ids, checked against the context length."""
+        ids = prompt_ids(self.tokenizer, request)
         self._check_context(len(ids), request.max_tokens)
         return ids
 
@@ -139,3 +133,13 @@ def drop_finished_rows(
             layer.values = layer.values[:, :, first_used:]
         mask = mask[:, first_used:]
     return mask, positions, tokens
+
+
+def prompt_ids(tokenizer: PreTrainedTokenizerBase, request: GenerationRequest) -> list[int]:
+    """A request's prompt tokens; chat messages go through the tokenizer's chat template."""
+    if request.messages is not None:
+        text = tokenizer.apply_chat_template(
+            [m.model_dump() for m in request.messages], add_generation_prompt=True, tokenize=False
+        )
+        return tokenizer(text, add_special_tokens=False).input_ids
+    return tokenizer(request.prompt).input_ids

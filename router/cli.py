@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING
 from pydantic import ValidationError
 
 from backends.errors import UserError
+from policies.config import PolicyError
+from policies.profile import ProfileError
 
 if TYPE_CHECKING:
     from backends.generation import GenerationResult
@@ -31,7 +33,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return args.handler(args)
     except ValidationError as exc:
         print(f"error: invalid request:\n{format_validation_error(exc)}", file=sys.stderr)
-    except UserError as exc:  # anything else is a bug and keeps its traceback
+    except (UserError, ProfileError, PolicyError) as exc:  # anything else is a bug and keeps its traceback
         print(f"error: {exc}", file=sys.stderr)
     return 2
 
@@ -54,7 +56,73 @@ def build_parser() -> argparse.ArgumentParser:
     spec = benches.add_parser("spec", help="speculative vs plain per prompt category, and vs transformers")
     _add_bench_spec_args(spec)
     spec.set_defaults(handler=run_bench_spec)
+    fit = benches.add_parser("model-fit", help="cost model's predicted speedup vs measured, by category, k and batch")
+    _add_model_fit_args(fit)
+    fit.set_defaults(handler=run_bench_model_fit)
+    profile = commands.add_parser("profile", help="measure cost curves and acceptance on this machine; fit α")
+    _add_profile_args(profile)
+    profile.set_defaults(handler=run_profile)
+    advise = commands.add_parser("advise", help="which backend a request should go to, and why (runs nothing)")
+    _add_advise_args(advise)
+    advise.set_defaults(handler=run_advise)
     return parser
+
+
+def _add_drafter_option_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--draft-model", default="embedded", help="model drafter: the draft model (same tokenizer)")
+    parser.add_argument("--draft-dtype", default="bfloat16", help="model drafter: float32 or bfloat16")
+    parser.add_argument("--exit-layer", type=int, default=4, help="early-exit drafter: target layers used")
+
+
+def _drafter_options(args: argparse.Namespace) -> object:
+    from backends.speculative.factory import DrafterConfig
+
+    return DrafterConfig(draft_model=args.draft_model, draft_dtype=args.draft_dtype, exit_layer=args.exit_layer)
+
+
+def _add_profile_args(parser: argparse.ArgumentParser) -> None:
+    _add_model_args(parser)
+    parser.add_argument("--batches", default="1,2,4,8,16,32,64", help="batch sizes of the cost curves")
+    parser.add_argument("--max-width", type=int, default=9, help="widest pass measured (k up to max-width - 1)")
+    parser.add_argument("--prefill-lengths", default="16,64,256,1024", help="prompt lengths timed for TTFT")
+    parser.add_argument("--drafters", default="ngram,model", help="comma-separated drafters to profile")
+    parser.add_argument("--acceptance-k", type=int, default=8, help="k each drafter runs at to measure acceptance")
+    parser.add_argument("--max-tokens", type=int, default=64, help="tokens per prompt in the acceptance runs")
+    parser.add_argument("--categories", help="comma-separated categories (default: all)")
+    parser.add_argument("--prompts", type=int, default=None, help="prompts per category (default: all)")
+    _add_drafter_option_args(parser)
+    parser.add_argument("--out", help="where the profile goes (default: under SPECROUTE_HOME, per model)")
+    parser.add_argument("--json", action="store_true", help="print the profile as JSON instead of the report")
+
+
+def _add_advise_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("prompt", nargs="?", help=f"the prompt; {DEFAULT_PROMPT_HELP}")
+    parser.add_argument("--messages", help="chat messages as a JSON list, a JSON file path, or - for stdin")
+    parser.add_argument("--system", help="system message placed before the prompt")
+    parser.add_argument("--raw", action="store_true", help="the prompt is raw text, no chat template")
+    parser.add_argument("--category", help="the prompt's category, if known (chat, code, summarization, ...)")
+    parser.add_argument("--concurrency", type=int, default=1, help="requests decoding at once, this one included")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--model", default="embedded", help="the model the profile belongs to")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--profile", help="profile path (default: the model's under SPECROUTE_HOME)")
+    parser.add_argument("--policy", help="policy YAML (default: the built-in defaults, as in deploy/policy.yaml)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _add_model_fit_args(parser: argparse.ArgumentParser) -> None:
+    _add_model_args(parser)
+    parser.add_argument("--profile", help="profile path (default: the model's under SPECROUTE_HOME)")
+    parser.add_argument("--drafter", default="ngram", help="ngram, model or early-exit")
+    parser.add_argument("--categories", help="comma-separated categories (default: all)")
+    parser.add_argument("--ks", default="1,2,4,8", help="comma-separated fixed k values")
+    parser.add_argument("--batches", default="1,2,4,8,16", help="comma-separated batch sizes")
+    parser.add_argument("--max-tokens", type=int, default=40, help="tokens generated per row (EOS ignored)")
+    parser.add_argument("--prompts", type=int, default=2, help="prompts per category")
+    _add_drafter_option_args(parser)
+    parser.add_argument("--out", default="bench-model-fit.json", help="where the JSON results go ('-' for none)")
+    parser.add_argument("--json", action="store_true", help="print the JSON instead of the tables")
 
 
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
@@ -221,6 +289,85 @@ def run_bench_spec(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_profile(args: argparse.Namespace) -> int:
+    from profiler.profile_report import render_profile
+    from profiler.profiling import ProfileConfig, default_profile_path, run_profile
+
+    config = ProfileConfig(
+        **_model_fields(args),
+        batches=_int_list(args.batches, "--batches"),
+        max_width=args.max_width,
+        prefill_lengths=_int_list(args.prefill_lengths, "--prefill-lengths"),
+        drafters=_str_list(args.drafters),
+        drafter=_drafter_options(args),
+        acceptance_k=args.acceptance_k,
+        max_tokens=args.max_tokens,
+        categories=_str_list(args.categories) if args.categories else None,
+        prompts_per_category=args.prompts,
+    )
+    _quiet_model_loading()
+    profile = run_profile(config)
+    path = Path(args.out) if args.out else default_profile_path(args.model, args.dtype, args.device)
+    profile.save(path)
+    print(profile.model_dump_json(indent=2) if args.json else render_profile(profile))
+    if not args.json:
+        print(f"\nprofile written to {path}")
+    return 0
+
+
+def run_advise(args: argparse.Namespace) -> int:
+    from backends.generation import GenerationRequest
+    from backends.models import load_tokenizer
+    from policies.config import default_policy, load_policy
+    from policies.profile import Profile
+    from profiler.predictor import AlphaPredictor
+    from profiler.profiling import default_profile_path
+    from router.advise import advise, render_advice, request_features
+
+    if args.concurrency < 1:
+        raise UsageError(f"--concurrency counts this request too: at least 1 (got {args.concurrency})")
+    if args.max_tokens < 1:
+        raise UsageError(f"--max-tokens must be at least 1 (got {args.max_tokens})")
+    path = Path(args.profile) if args.profile else default_profile_path(args.model, args.dtype, args.device)
+    profile = Profile.load(path)
+    config = load_policy(args.policy) if args.policy else default_policy()
+    request, tokenizer, predictor = None, None, None
+    if args.prompt is not None or args.messages is not None:
+        request = GenerationRequest(**_prompt_fields(args), max_tokens=args.max_tokens)
+        tokenizer = load_tokenizer(args.model)
+        predictor = AlphaPredictor.from_profile(profile) if profile.samples else None
+    elif args.category is None:
+        raise UsageError("give a prompt (or --messages), a --category, or both")
+    features = request_features(request, args.category, profile, predictor, tokenizer, args.max_tokens)
+    advice = advise(features, args.concurrency, profile, config)
+    print(advice.model_dump_json(indent=2) if args.json else render_advice(advice))
+    return 0
+
+
+def run_bench_model_fit(args: argparse.Namespace) -> int:
+    from profiler.bench_model_fit import ModelFitConfig, render_model_fit, run_model_fit
+
+    config = ModelFitConfig(
+        **_model_fields(args),
+        profile=args.profile,
+        drafter=args.drafter,
+        drafter_options=_drafter_options(args),
+        categories=_str_list(args.categories) if args.categories else None,
+        ks=_int_list(args.ks, "--ks"),
+        batches=_int_list(args.batches, "--batches"),
+        max_tokens=args.max_tokens,
+        prompts_per_category=args.prompts,
+    )
+    _quiet_model_loading()
+    report = run_model_fit(config)
+    if args.out != "-":
+        Path(args.out).write_text(report.model_dump_json(indent=2))
+    print(report.model_dump_json(indent=2) if args.json else render_model_fit(report))
+    if args.out != "-" and not args.json:
+        print(f"\nresults written to {args.out}")
+    return 0
+
+
 def _model_fields(args: argparse.Namespace) -> dict[str, object]:
     """The model flags the bench configs share."""
     return {"model": args.model, "dtype": args.dtype, "device": args.device, "threads": args.threads}
@@ -238,11 +385,17 @@ def _quiet_model_loading() -> None:
 
 
 def _request_fields(args: argparse.Namespace) -> dict[str, object]:
-    fields: dict[str, object] = {
+    return {
         "max_tokens": args.max_tokens,
         "stop": args.stop,
         "sampling": {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "seed": args.seed},
+        **_prompt_fields(args),
     }
+
+
+def _prompt_fields(args: argparse.Namespace) -> dict[str, object]:
+    """`prompt` or `messages` from the prompt, --raw, --system and --messages flags."""
+    fields: dict[str, object] = {}
     if args.messages is not None:
         if args.prompt is not None:
             raise UsageError("give either a prompt or --messages, not both")

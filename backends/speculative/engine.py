@@ -216,7 +216,7 @@ class SpeculativeEngine:
             if row.chooser:
                 row.chooser.observe(d, n)
         self.totals.target_step_s = step_s
-        self.totals.record(max(step.ks), drafted, step.accepted, step.draft_s, step.verify_s)
+        self.totals.record(max(step.ks), drafted, step.accepted, step.draft_s, step.verify_s, step.ks)
 
     def _start(self, requests: Sequence[GenerationRequest]) -> list[_Row]:
         rows = []
@@ -253,6 +253,9 @@ def measure_step_times(model: PreTrainedModel, pad_id: int, batch: int, widths: 
     vocab = model.get_output_embeddings().weight.shape[0]
     cache.prefill(torch.randint(0, vocab, (batch, PROBE_CONTEXT), generator=generator).tolist())
     lengths = cache.lengths.clone()
+    # One untimed pass first: a dtype's first kernels can carry one-off set-up costs (bf16 on CPU).
+    float(cache.extend(torch.randint(0, vocab, (batch, 1), generator=generator).tolist())[0, -1, 0])
+    cache.truncate(lengths)
     seconds = {}
     for width in widths:
         best = float("inf")

@@ -16,6 +16,10 @@ class SpeculationStats(BaseModel):
     draft_tokens: int = 0
     accepted_tokens: int = 0
     accepted_per_position: list[int] = Field(default_factory=list, description="[j]: drafts whose token j was accepted")
+    requested_steps: int = Field(0, description="sequence-steps that asked the drafter for at least one token")
+    judged_tokens: int = Field(
+        0, description="accepted tokens + one per step that stopped short of its k (rejected, or nothing proposed)"
+    )
     draft_time_s: float = 0.0
     verify_time_s: float = Field(0.0, description="target passes that verified drafts")
     target_step_s: float = Field(0.0, description="measured 1-token target pass at this batch size")
@@ -25,6 +29,19 @@ class SpeculationStats(BaseModel):
     @property
     def acceptance_rate(self) -> float:
         return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    @computed_field
+    @property
+    def alpha(self) -> float:
+        """The cost model's per-token α: accepted / judged. A drafter that proposes fewer tokens than
+        asked counts the missing one as rejected (it cost the same), unlike `acceptance_rate`."""
+        return self.accepted_tokens / self.judged_tokens if self.judged_tokens else 0.0
+
+    @computed_field
+    @property
+    def proposal_rate(self) -> float:
+        """Share of the steps that asked for drafts in which the drafter proposed at least one token."""
+        return self.drafts / self.requested_steps if self.requested_steps else 0.0
 
     @computed_field
     @property
@@ -51,6 +68,8 @@ class SpeculationStats(BaseModel):
             drafts=sum(p.drafts for p in parts),
             draft_tokens=sum(p.draft_tokens for p in parts),
             accepted_tokens=sum(p.accepted_tokens for p in parts),
+            requested_steps=sum(p.requested_steps for p in parts),
+            judged_tokens=sum(p.judged_tokens for p in parts),
             accepted_per_position=[
                 sum(p.accepted_per_position[j] for p in parts if j < len(p.accepted_per_position))
                 for j in range(positions)
@@ -61,8 +80,21 @@ class SpeculationStats(BaseModel):
             k_history=[k for p in parts for k in p.k_history],
         )
 
-    def record(self, k: int, drafted: Sequence[int], accepted: Sequence[int], draft_s: float, verify_s: float) -> None:
-        """One target pass: the k used, and per sequence in the pass its drafted and accepted counts."""
+    def record(
+        self,
+        k: int,
+        drafted: Sequence[int],
+        accepted: Sequence[int],
+        draft_s: float,
+        verify_s: float,
+        requested: Sequence[int] | None = None,
+    ) -> None:
+        """One target pass: the k used, and per sequence in the pass its drafted and accepted counts
+        and the k it asked for (default: k for every sequence)."""
+        for asked, ok in zip(requested or [k] * len(drafted), accepted, strict=True):
+            if asked:
+                self.requested_steps += 1
+                self.judged_tokens += ok + (1 if ok < asked else 0)
         self.steps += 1
         self.k_history.append(k)
         self.draft_time_s += draft_s
@@ -86,6 +118,7 @@ class SpeculationStats(BaseModel):
         k_text = f"k={self.k_mode}" + (f" (used {ks[0]}..{ks[-1]})" if len(ks) > 1 else f" ({ks[0]})" if ks else "")
         return (
             f"[{self.drafter}] {k_text} · {self.drafts} drafts, {self.accepted_tokens}/{self.draft_tokens} accepted · "
-            f"α {self.acceptance_rate:.2f} · mean accepted length {self.mean_accepted_length:.2f} · "
+            f"acceptance {self.acceptance_rate:.2f} · α {self.alpha:.2f} · "
+            f"mean accepted length {self.mean_accepted_length:.2f} · "
             f"γ {self.gamma:.3f} · draft {self.draft_time_s * 1e3:.0f} ms, verify {self.verify_time_s * 1e3:.0f} ms"
         )

@@ -33,6 +33,15 @@ class PromptSet(BaseModel):
     categories: dict[str, Category]
 
 
+def check_categories(categories: list[str] | None) -> list[str] | None:
+    """A validator for configs that name categories: every one must exist in the prompt set."""
+    known = load_prompt_set().categories
+    unknown = [c for c in categories or [] if c not in known]
+    if unknown:
+        raise ValueError(f"unknown categories {unknown} (the prompt set has {', '.join(known)})")
+    return categories
+
+
 @cache
 def load_prompt_set() -> PromptSet:
     text = files(__package__).joinpath("prompts.yaml").read_text(encoding="utf-8")

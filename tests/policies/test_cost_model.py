@@ -1,3 +1,5 @@
+import math
+
 import numpy as np
 import pytest
 
@@ -44,3 +46,67 @@ def test_best_k_respects_k_max_and_prefers_the_smaller_k_on_ties():
     verify = [1.0] * 9
     assert best_k(1.0, 0.0, verify, k_max=3)[0] == 3
     assert best_k(0.0, 0.0, verify)[0] == 0  # every k emits one token for the same cost: take k = 0
+
+
+# ---- the additions the policy uses ----
+from policies.cost_model import (  # noqa: E402
+    best_speculative_k,
+    break_even_concurrency,
+    effective_verify_costs,
+    elasticity,
+    knee,
+    per_token_seconds,
+    step_model,
+)
+
+
+def test_best_speculative_k_stays_in_range_even_when_it_loses():
+    verify = [1.0, 1.5, 2.0, 2.5]
+    k, gain = best_speculative_k(0.0, 0.1, verify, k_min=1, k_max=3)
+    assert k == 1 and gain == pytest.approx(1 / 1.6)
+    assert best_speculative_k(0.99, 0.0, [1.0] * 9, k_min=2, k_max=5)[0] == 5
+    with pytest.raises(ValueError):
+        best_speculative_k(0.5, 0.0, verify, k_min=0)
+
+
+def test_verify_costs_pad_to_the_cheapest_wider_pass():
+    # Widths 2 and 3 run slower than 4 (as MKL does here): a 1- or 2-draft block pads to width 4.
+    assert effective_verify_costs([1.0, 1.6, 2.0, 1.2, 1.3]) == pytest.approx([1.0, 1.2, 1.2, 1.2, 1.3])
+    with pytest.raises(ValueError):
+        effective_verify_costs([1.0, 0.0])
+
+
+def test_per_token_seconds_is_step_cost_over_tokens():
+    assert per_token_seconds(0.1, 0.5, 0, 0.3, 1.0) == pytest.approx(0.1)
+    assert per_token_seconds(0.1, 0.5, 2, 0.1, 1.2) == pytest.approx(0.1 * 1.4 / 1.75)
+
+
+def test_step_model_recovers_fixed_and_per_sequence_costs():
+    batches = [1, 2, 4, 8, 16, 32, 64]
+    seconds = [0.07 + 0.0025 * b for b in batches]
+    fixed, per_sequence = step_model(batches, seconds)
+    assert fixed == pytest.approx(0.07) and per_sequence == pytest.approx(0.0025)
+    assert elasticity(batches, seconds, 16) == pytest.approx(0.04 / 0.11)
+    assert knee(batches, seconds) == pytest.approx(28.0)  # fixed == per_sequence · b
+    assert knee(batches, seconds, threshold=0.75) == pytest.approx(84.0)
+
+
+def test_a_flat_curve_never_turns_compute_bound_and_a_linear_one_always_is():
+    batches = [1, 2, 4, 8]
+    assert knee(batches, [0.1, 0.1, 0.1, 0.1]) is None
+    assert elasticity(batches, [0.1, 0.1, 0.1, 0.1], 64) == 0.0
+    assert elasticity(batches, [0.1 * b for b in batches], 1) == pytest.approx(1.0)
+    assert elasticity(batches, [0.12, 0.1, 0.11, 0.1], 4) == 0.0  # noise that falls is not a cost
+
+
+def test_break_even_matches_the_closed_form():
+    """t(b, w) = F + P·b·w, c = 0, k = 1: speedup(b) = (1 + α)(F + Pb) / (F + 2Pb) < 1 from
+    b* = αF / (P(1 − α))."""
+    f, p, alpha = 0.07, 0.0025, 0.55  # b* ≈ 34.2
+
+    def gain(b: int) -> float:
+        return speedup(alpha, 1, 0.0, (f + 2 * p * b) / (f + p * b))
+
+    b_star = alpha * f / (p * (1 - alpha))
+    assert break_even_concurrency(gain, b_max=100) == math.floor(b_star) + 1
+    assert break_even_concurrency(gain, b_max=30) is None

@@ -1,0 +1,116 @@
+"""What each backend is predicted to do for one request at a given concurrency, from the measured
+profile and the cost model: the numbers behind every decision and every `advise` table row."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+from .cost_model import best_speculative_k, effective_verify_costs, elasticity, expected_tokens, per_token_seconds
+from .profile import DrafterProfile, Profile
+
+Backend = Literal["speculative", "plain", "quantized"]
+
+
+class Candidate(BaseModel):
+    """One way to serve the request, with its predicted numbers."""
+
+    backend: Backend
+    drafter: str | None = None
+    alpha: float | None = Field(None, description="predicted per-token acceptance")
+    alpha_source: str | None = None
+    proposal_rate: float = Field(1.0, description="share of steps the drafter proposes in (prompt lookup: a match)")
+    k: int = Field(0, description="drafted tokens per step (0: no speculation)")
+    expected_tokens: float = Field(1.0, description="E(α, k): tokens per step")
+    c: float = Field(0.0, description="one draft step over one target step at this concurrency")
+    v: float = Field(1.0, description="v(b, k): the verify pass over a 1-token pass")
+    speedup: float = Field(description="tokens/s over plain decoding at the same concurrency")
+    tpot_ms: float = Field(description="predicted time per output token")
+    ttft_ms: float = Field(description="predicted time to first token (prefill)")
+    latency_ms: float = Field(description="predicted end-to-end latency for max_tokens tokens")
+    tokens_per_s: float = Field(description="predicted output tokens/s over all sequences at this concurrency")
+    meets_slo: bool = True
+
+
+class ProfileCosts:
+    """The profile's curves read the way the cost model wants them."""
+
+    def __init__(self, profile: Profile):
+        self.profile = profile
+        self.target = profile.target
+
+    def step_s(self, batch: float) -> float:
+        return self.target.at(batch, 1)
+
+    def verify_costs(self, batch: float) -> list[float]:
+        """v(b, k) for k = 0..max_width-1 with the engine's cheapest-width padding."""
+        return effective_verify_costs([self.target.at(batch, w) for w in self.target.widths])
+
+    def draft_cost(self, drafter: DrafterProfile, batch: float) -> float:
+        return drafter.step_at(batch) / self.step_s(batch)
+
+    def elasticity(self, batch: float) -> float:
+        batches = self.target.batches
+        return elasticity(batches, [self.target.at(b, 1) for b in batches], batch)
+
+    def ttft_s(self, prompt_tokens: int) -> float:
+        return self.profile.prefill.per_token(1, prompt_tokens)
+
+
+def plain_candidate(costs: ProfileCosts, batch: int, prompt_tokens: int, max_tokens: int) -> Candidate:
+    step = costs.step_s(batch)
+    return _candidate("plain", costs.ttft_s(prompt_tokens), step, batch, max_tokens, speedup=1.0)
+
+
+def speculative_candidate(
+    costs: ProfileCosts,
+    drafter: DrafterProfile,
+    alpha: float,
+    alpha_source: str,
+    proposal_rate: float,
+    batch: int,
+    prompt_tokens: int,
+    max_tokens: int,
+    k_range: tuple[int, int],
+) -> Candidate:
+    """The best k in k_range at this concurrency and what it buys over plain decoding."""
+    verify = costs.verify_costs(batch)
+    c = costs.draft_cost(drafter, batch)
+    k, gain = best_speculative_k(alpha, c, verify, k_range[0], k_range[1], proposal_rate, batch)
+    token_s = per_token_seconds(costs.step_s(batch), alpha, k, c, verify[k], proposal_rate, batch)
+    return _candidate("speculative", costs.ttft_s(prompt_tokens), token_s, batch, max_tokens, speedup=gain).model_copy(
+        update={
+            "drafter": drafter.name,
+            "alpha": alpha,
+            "alpha_source": alpha_source,
+            "proposal_rate": proposal_rate,
+            "k": k,
+            "expected_tokens": float(expected_tokens(alpha, k)),
+            "c": c,
+            "v": verify[k],
+        }
+    )
+
+
+def quantized_candidate(costs: ProfileCosts, batch: int, prompt_tokens: int, max_tokens: int) -> Candidate | None:
+    quantized = costs.profile.quantized
+    if quantized is None:
+        return None
+    step = quantized.curve.at(batch, 1)
+    # Prefill scales like decode here: the same weights are read, the same share is saved.
+    ttft = costs.ttft_s(prompt_tokens) * step / costs.step_s(batch)
+    return _candidate("quantized", ttft, step, batch, max_tokens, speedup=costs.step_s(batch) / step)
+
+
+def _candidate(
+    backend: Backend, ttft_s: float, token_s: float, batch: int, max_tokens: int, speedup: float
+) -> Candidate:
+    return Candidate(
+        backend=backend,
+        speedup=speedup,
+        tpot_ms=token_s * 1e3,
+        ttft_ms=ttft_s * 1e3,
+        latency_ms=(ttft_s + max(max_tokens - 1, 0) * token_s) * 1e3,
+        tokens_per_s=batch / token_s,
+    )

@@ -1,0 +1,274 @@
+"""`decide()`: which backend serves a request, in the card's order — bottleneck → speculation →
+batching → quantization — with the reasons as short sentences carrying the numbers used.
+
+Pure Python + numpy: every input is explicit (request features, a load snapshot, the measured
+profile, the policy config), so each decision can be replayed and unit-tested without Ray or torch.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from .config import PolicyConfig
+from .estimates import (
+    Backend,
+    Candidate,
+    ProfileCosts,
+    plain_candidate,
+    quantized_candidate,
+    speculative_candidate,
+)
+from .profile import Profile, ProfileError
+
+Stage = Literal["speculation", "batching", "quantization"]
+
+
+class AlphaInput(BaseModel):
+    """A predicted α for one drafter, and where it came from (shown in the reasons)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    alpha: float = Field(ge=0, le=1)
+    source: str
+    proposal_rate: float | None = Field(None, ge=0, le=1, description="None: the profile's for the category")
+
+
+class RequestFeatures(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    prompt_tokens: int = Field(ge=1)
+    max_tokens: int = Field(ge=1)
+    category: str | None = None
+    alphas: dict[str, AlphaInput] = Field(
+        default_factory=dict, description="predicted α per drafter kind or name; missing ones fall back to the profile"
+    )
+
+
+class LoadSnapshot(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    in_flight: dict[str, int] = Field(default_factory=dict, description="requests running per backend")
+    memory_utilization: float | None = Field(None, ge=0, le=1)
+
+    @property
+    def concurrency(self) -> int:
+        """Sequences decoding on this machine once this request joins: every backend shares it."""
+        return sum(self.in_flight.values()) + 1
+
+
+class Decision(BaseModel):
+    backend: Backend
+    drafter: str | None = None
+    k: int | None = None
+    stage: Stage
+    concurrency: int
+    bottleneck: Literal["memory", "compute"]
+    elasticity: float = Field(description="d log(step time) / d log(batch) at this concurrency")
+    reasons: list[str]
+    candidates: list[Candidate]
+
+    def chosen(self) -> Candidate:
+        return next(c for c in self.candidates if c.backend == self.backend and c.drafter == self.drafter)
+
+
+def decide(features: RequestFeatures, load: LoadSnapshot, profile: Profile, config: PolicyConfig) -> Decision:
+    costs = ProfileCosts(profile)
+    b = config.concurrency_override or load.concurrency
+    reasons: list[str] = []
+    plain = plain_candidate(costs, b, features.prompt_tokens, features.max_tokens)
+    bottleneck, eps = _bottleneck(costs, b, config, reasons)
+    specs = _speculative_candidates(costs, features, b, config, reasons)
+    quantized = quantized_candidate(costs, b, features.prompt_tokens, features.max_tokens)
+    candidates = [c for c in [*specs, plain, quantized] if c is not None]
+    for c in candidates:
+        c.meets_slo = _meets_slo(c, config)
+
+    choice, stage = _speculation_stage(specs, bottleneck, b, config, reasons)
+    if choice is None:
+        choice, stage = _batching_stage(plain, specs, config, reasons)
+    choice, stage = _quantization_stage(choice, stage, quantized, b, load, config, profile, reasons)
+    reasons.append(_slo_reason(choice, config))
+    return Decision(
+        backend=choice.backend,
+        drafter=choice.drafter,
+        k=choice.k if choice.backend == "speculative" else None,
+        stage=stage,
+        concurrency=b,
+        bottleneck=bottleneck,
+        elasticity=eps,
+        reasons=reasons,
+        candidates=candidates,
+    )
+
+
+def _bottleneck(costs: ProfileCosts, b: int, config: PolicyConfig, reasons: list[str]) -> tuple[str, float]:
+    eps = costs.elasticity(b)
+    limit = config.bottleneck.compute_bound_elasticity
+    step_ms, single_ms = costs.step_s(b) * 1e3, costs.step_s(1) * 1e3
+    share = (
+        f"a decode step takes {step_ms:.0f} ms at concurrency {b} ({single_ms:.0f} ms alone) and grows as b^{eps:.2f}"
+    )
+    if eps < limit:
+        reasons.append(f"bottleneck: {share} < b^{limit:g} → memory/overhead-bound: idle compute can verify drafts")
+        return "memory", eps
+    reasons.append(f"bottleneck: {share} ≥ b^{limit:g} → compute-bound: every extra token costs its share")
+    return "compute", eps
+
+
+def _speculative_candidates(
+    costs: ProfileCosts, features: RequestFeatures, b: int, config: PolicyConfig, reasons: list[str]
+) -> list[Candidate]:
+    spec = config.speculation
+    if not spec.enabled:
+        return []
+    k_max = min(spec.k_max, costs.target.max_width - 1)
+    out = []
+    for kind in spec.drafters:
+        try:
+            drafter = costs.profile.drafter(kind)
+        except ProfileError:
+            reasons.append(f"speculation: drafter {kind} is not in the profile (run `specroute profile --drafters`)")
+            continue
+        alpha = _alpha_for(features, kind, drafter.name, costs.profile)
+        if alpha is None:
+            reasons.append(f"speculation: no α estimate for {drafter.name} (give a prompt or a profiled category)")
+            continue
+        rho = alpha.proposal_rate
+        if rho is None:
+            rho = costs.profile.proposal_rate(drafter.name, features.category if _profiled(features, costs) else None)
+        args = (costs, drafter, alpha.alpha, alpha.source, rho, b, features.prompt_tokens, features.max_tokens)
+        out.append(speculative_candidate(*args, k_range=(min(spec.k_min, k_max), k_max)))
+    return out
+
+
+def _profiled(features: RequestFeatures, costs: ProfileCosts) -> bool:
+    return features.category is not None and features.category in costs.profile.categories
+
+
+def _alpha_for(features: RequestFeatures, kind: str, name: str, profile: Profile) -> AlphaInput | None:
+    given = features.alphas.get(name) or features.alphas.get(kind)
+    if given is not None:
+        return given
+    if features.category is None:
+        return None
+    try:
+        measured = profile.acceptance_for(features.category, name)
+    except ProfileError:
+        return None
+    return AlphaInput(alpha=measured.alpha, source=f"profiled mean of category {features.category!r}")
+
+
+def _speculation_stage(
+    specs: list[Candidate], bottleneck: str, b: int, config: PolicyConfig, reasons: list[str]
+) -> tuple[Candidate | None, Stage]:
+    spec = config.speculation
+    if not spec.enabled:
+        reasons.append("speculation: disabled by the policy")
+        return None, "speculation"
+    if not specs:
+        return None, "speculation"
+    best = max(specs, key=lambda c: c.speedup)
+    cost = best.expected_tokens / best.speedup  # k·c + v, with narrow passes where nothing was proposed
+    proposes = f", proposes in {best.proposal_rate:.0%} of steps" if best.proposal_rate < 1 else ""
+    numbers = (
+        f"{best.drafter} α̂={best.alpha:.2f} ({best.alpha_source}){proposes}, best k={best.k}: "
+        f"E={best.expected_tokens:.2f} tokens per step for {cost:.2f} plain steps "
+        f"(k·c = {best.k}·{best.c:.3f}, v(b,k) = {best.v:.2f}) → {best.speedup:.2f}× plain"
+    )
+    if spec.max_concurrency is not None and b >= spec.max_concurrency:
+        reasons.append(f"speculation: {numbers}, policy: speculate below concurrency {spec.max_concurrency}")
+    elif bottleneck == "compute":
+        reasons.append(f"speculation: {numbers}; skipped: decode is compute-bound at this load")
+    elif best.speedup < spec.min_speedup:
+        reasons.append(f"speculation: {numbers} < {spec.min_speedup:g}× required → do not speculate")
+    else:
+        reasons.append(f"speculation: {numbers} ≥ {spec.min_speedup:g}× required → speculate")
+        return best, "speculation"
+    return None, "speculation"
+
+
+def _batching_stage(
+    plain: Candidate, specs: list[Candidate], config: PolicyConfig, reasons: list[str]
+) -> tuple[Candidate, Stage]:
+    if config.batching.enabled:
+        reasons.append(
+            f"batching: the large-batch plain backend: {plain.tpot_ms:.0f} ms per token per sequence, "
+            f"{plain.tokens_per_s:.0f} tokens/s over all sequences"
+        )
+        return plain, "batching"
+    if not specs:
+        reasons.append("batching: disabled by the policy, and no drafter can be estimated → plain decoding")
+        return plain, "batching"
+    # Batching is off, so speculation is what is left: its engine falls back to plain steps (k = 0)
+    # whenever no k pays.
+    best = max(specs, key=lambda c: c.speedup)
+    reasons.append(f"batching: disabled by the policy → speculative backend with {best.drafter} (k adapts, 0 = plain)")
+    return best, "batching"
+
+
+def _quantization_stage(
+    choice: Candidate,
+    stage: Stage,
+    quantized: Candidate | None,
+    b: int,
+    load: LoadSnapshot,
+    config: PolicyConfig,
+    profile: Profile,
+    reasons: list[str],
+) -> tuple[Candidate, Stage]:
+    q = config.quantization
+    if not q.enabled:
+        reasons.append("quantization: disabled by the policy")
+        return choice, stage
+    if quantized is None or profile.quantized is None:
+        reasons.append("quantization: the profile has no quantized backend measured")
+        return choice, stage
+    agreement = profile.quantized.agreement
+    if agreement < q.min_agreement:
+        reasons.append(f"quantization: quality {agreement:.1%} token agreement < floor {q.min_agreement:.1%}")
+        return choice, stage
+    why = _quantization_justified(choice, b, load, config)
+    gain = choice.tpot_ms / quantized.tpot_ms
+    if why is None:
+        reasons.append(f"quantization: not justified at this load ({gain:.2f}× over {choice.backend} on offer)")
+        return choice, stage
+    if gain < q.min_speedup:
+        reasons.append(f"quantization: {why}, but {gain:.2f}× over {choice.backend} < {q.min_speedup:g}× required")
+        return choice, stage
+    reasons.append(
+        f"quantization: {why}; int8 at {agreement:.1%} agreement is {gain:.2f}× faster per token than "
+        f"{choice.backend} → quantized backend"
+    )
+    return quantized, "quantization"
+
+
+def _quantization_justified(choice: Candidate, b: int, load: LoadSnapshot, config: PolicyConfig) -> str | None:
+    q, slo = config.quantization, config.slo
+    if q.min_concurrency is not None and b >= q.min_concurrency:
+        return f"concurrency {b} ≥ {q.min_concurrency}"
+    if q.memory_pressure is not None and load.memory_utilization is not None:
+        if load.memory_utilization >= q.memory_pressure:
+            return f"memory {load.memory_utilization:.0%} ≥ {q.memory_pressure:.0%}"
+    if q.on_slo_miss and slo.tpot_ms is not None and choice.tpot_ms > slo.tpot_ms:
+        return f"{choice.backend} misses the TPOT SLO ({choice.tpot_ms:.0f} > {slo.tpot_ms:g} ms)"
+    return None
+
+
+def _meets_slo(c: Candidate, config: PolicyConfig) -> bool:
+    slo = config.slo
+    return (slo.ttft_ms is None or c.ttft_ms <= slo.ttft_ms) and (slo.tpot_ms is None or c.tpot_ms <= slo.tpot_ms)
+
+
+def _slo_reason(choice: Candidate, config: PolicyConfig) -> str:
+    slo = config.slo
+    parts = []
+    if slo.ttft_ms is not None:
+        parts.append(f"TTFT {choice.ttft_ms:.0f} ms {'≤' if choice.ttft_ms <= slo.ttft_ms else '>'} {slo.ttft_ms:g}")
+    if slo.tpot_ms is not None:
+        parts.append(f"TPOT {choice.tpot_ms:.0f} ms {'≤' if choice.tpot_ms <= slo.tpot_ms else '>'} {slo.tpot_ms:g}")
+    if not parts:
+        return f"slo: none set; predicted TPOT {choice.tpot_ms:.0f} ms"
+    verdict = "met" if _meets_slo(choice, config) else "MISSED"
+    return f"slo: predicted {', '.join(parts)} → {verdict}"

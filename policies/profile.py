@@ -1,0 +1,241 @@
+"""The profile: what `specroute profile` measured on one machine for one target model, and the
+only source of numbers the policy decides with. Pure pydantic (no torch), so the policy, the
+router and tests can read a profile without loading a model.
+
+Versioned: a profile written by another schema version is refused with a message saying how to
+measure a new one, never half-read.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from datetime import datetime
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+PROFILE_VERSION = 1
+
+
+class ProfileError(ValueError):
+    """A profile that cannot be used: missing, unreadable, another version, or lacking a measurement."""
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class CostCurve(_Frozen):
+    """Seconds of one forward pass with `width` new tokens per sequence at batch `batch`.
+
+    Width 1 is a decode step, width k + 1 a verification pass (for the prefill curve, the width is
+    the prompt length). Batches between measured ones are interpolated log-log; past the largest
+    measured batch the per-sequence cost of the last one is kept (decode is compute-bound there).
+    """
+
+    batches: list[int] = Field(min_length=1)
+    widths: list[int] = Field(min_length=1)
+    seconds: list[list[float]] = Field(description="seconds[i][j]: batch batches[i], width widths[j]")
+
+    @model_validator(mode="after")
+    def _shape(self) -> CostCurve:
+        if self.batches != sorted(set(self.batches)) or self.widths != sorted(set(self.widths)):
+            raise ValueError("batches and widths must be strictly increasing")
+        if len(self.seconds) != len(self.batches) or any(len(row) != len(self.widths) for row in self.seconds):
+            raise ValueError("seconds must have one row per batch and one column per width")
+        if any(s <= 0 or not math.isfinite(s) for row in self.seconds for s in row):
+            raise ValueError("every measured time must be a positive number")
+        return self
+
+    @property
+    def max_width(self) -> int:
+        return self.widths[-1]
+
+    def at(self, batch: float, width: int) -> float:
+        """Seconds of a pass of exactly `width` tokens per sequence at (possibly unmeasured) `batch`."""
+        if width not in self.widths:
+            raise ProfileError(f"width {width} was not measured (measured: {self.widths})")
+        column = [row[self.widths.index(width)] for row in self.seconds]
+        return _interpolate(self.batches, column, max(float(batch), 1.0))
+
+    def per_token(self, batch: float, tokens: int) -> float:
+        """Seconds for `tokens` tokens per sequence, interpolated linearly between measured widths
+        (used for prefill, whose widths are prompt lengths)."""
+        widths = self.widths
+        if tokens <= widths[0]:
+            return self.at(batch, widths[0]) * tokens / widths[0]
+        if tokens >= widths[-1]:
+            return self.at(batch, widths[-1]) * tokens / widths[-1]
+        i = bisect.bisect_left(widths, tokens)
+        lo, hi = widths[i - 1], widths[i]
+        share = (tokens - lo) / (hi - lo)
+        return (1 - share) * self.at(batch, lo) + share * self.at(batch, hi)
+
+
+def _interpolate(xs: list[int], ys: list[float], x: float) -> float:
+    if x <= xs[0]:
+        return ys[0]
+    if x >= xs[-1]:
+        return ys[-1] * x / xs[-1]  # beyond the measurements, a sequence costs its current share
+    i = bisect.bisect_left(xs, x)
+    if xs[i] == x:
+        return ys[i]
+    lo, hi = math.log(xs[i - 1]), math.log(xs[i])
+    share = (math.log(x) - lo) / (hi - lo)
+    return math.exp((1 - share) * math.log(ys[i - 1]) + share * math.log(ys[i]))
+
+
+class DrafterProfile(_Frozen):
+    """One drafter's cost: seconds per sequential draft step by batch (c = that over a target step)."""
+
+    name: str = Field(description="the engine's drafter name, e.g. 'ngram' or 'model:SmolLM2-135M-Instruct@bfloat16'")
+    kind: Literal["ngram", "model", "early-exit"]
+    batches: list[int] = Field(min_length=1)
+    step_seconds: list[float] = Field(min_length=1, description="one draft step (one token per sequence)")
+
+    @model_validator(mode="after")
+    def _shape(self) -> DrafterProfile:
+        if len(self.batches) != len(self.step_seconds) or self.batches != sorted(set(self.batches)):
+            raise ValueError("one step time per strictly increasing batch size")
+        if any(s < 0 or not math.isfinite(s) for s in self.step_seconds):
+            raise ValueError("draft step times must be non-negative numbers")
+        return self
+
+    def step_at(self, batch: float) -> float:
+        if len(self.batches) == 1:
+            return self.step_seconds[0]
+        floor = 1e-9  # prompt lookup can take ~0 s; log interpolation needs positive values
+        return _interpolate(self.batches, [max(s, floor) for s in self.step_seconds], max(float(batch), 1.0))
+
+
+class AcceptanceProfile(_Frozen):
+    """Acceptance of one drafter on one prompt category, measured at a fixed k (greedy decoding).
+
+    `alpha` is the per-token acceptance the cost model's E(α, k) assumes: accepted tokens over
+    tokens *judged* (accepted + the first rejected or missing one), so a drafter that has nothing
+    to propose counts as rejected, exactly as it costs. `acceptance_rate` is vLLM's
+    accepted / drafted, reported alongside.
+    """
+
+    category: str
+    drafter: str
+    k: int = Field(ge=1, description="tokens requested per step while measuring")
+    prompts: int = Field(ge=1)
+    steps: int = Field(ge=0, description="speculative steps (steps that asked the drafter for tokens)")
+    draft_tokens: int = Field(ge=0)
+    accepted_tokens: int = Field(ge=0)
+    judged_tokens: int = Field(ge=0)
+    alpha: float = Field(ge=0, le=1)
+    acceptance_rate: float = Field(ge=0, le=1)
+    proposal_rate: float = Field(1.0, ge=0, le=1, description="share of steps in which the drafter proposed")
+    accepted_per_position: list[float] = Field(description="[j]: share of steps whose token j+1 was accepted")
+    mean_accepted_length: float = Field(ge=1, description="tokens emitted per speculative step")
+    gamma: float = Field(ge=0, description="drafting time per step over one target step, in the run")
+
+
+class AcceptanceSample(_Frozen):
+    """One prompt's measured acceptance: a training example for the α predictor."""
+
+    prompt_id: str
+    category: str
+    drafter: str
+    text: str = Field(description="the prompt as the router sees it: message contents joined by newlines")
+    turns: int = Field(ge=1, description="number of chat messages")
+    prompt_tokens: int = Field(ge=1)
+    judged_tokens: int = Field(ge=0)
+    accepted_tokens: int = Field(ge=0)
+    alpha: float = Field(ge=0, le=1)
+
+
+class PredictorScore(_Frozen):
+    """Cross-validated error of the α predictor for one drafter (prompts held out, k-fold)."""
+
+    drafter: str
+    folds: int
+    samples: int
+    mae_with_category: float = Field(description="mean absolute error of α when the caller names the category")
+    mae_text_only: float = Field(description="mean absolute error of α from the prompt text alone")
+    mae_constant: float = Field(description="baseline: predict the training folds' mean α")
+
+
+class QuantizedProfile(_Frozen):
+    """The int8 backend: its cost curve and its measured quality against the full-precision target."""
+
+    method: str
+    curve: CostCurve
+    agreement: float = Field(ge=0, le=1, description="greedy tokens equal to the full-precision target's")
+    perplexity_delta: float | None = Field(None, description="relative perplexity change on a text set")
+
+
+class ModelSummary(_Frozen):
+    name: str
+    dtype: str
+    device: str
+    parameters: int
+    weight_bytes: int
+    threads: int
+
+
+class Profile(_Frozen):
+    version: Literal[1] = PROFILE_VERSION
+    created: datetime
+    machine: dict[str, str | int | float | None]
+    model: ModelSummary
+    libraries: dict[str, str]
+    settings: dict[str, object] = Field(default_factory=dict, description="what the profiler was asked to measure")
+    target: CostCurve = Field(description="target forward pass t(b, n)")
+    prefill: CostCurve = Field(description="prefill of n prompt tokens at batch b")
+    drafters: list[DrafterProfile] = Field(default_factory=list)
+    acceptance: list[AcceptanceProfile] = Field(default_factory=list)
+    samples: list[AcceptanceSample] = Field(default_factory=list)
+    predictor: list[PredictorScore] = Field(default_factory=list)
+    quantized: QuantizedProfile | None = None
+
+    def drafter(self, name: str) -> DrafterProfile:
+        for d in self.drafters:
+            if d.name == name or d.kind == name:
+                return d
+        raise ProfileError(f"the profile has no drafter {name!r} (profiled: {[d.name for d in self.drafters]})")
+
+    def acceptance_for(self, category: str, drafter: str) -> AcceptanceProfile:
+        name = self.drafter(drafter).name
+        for a in self.acceptance:
+            if a.category == category and a.drafter == name:
+                return a
+        known = sorted({a.category for a in self.acceptance if a.drafter == name})
+        raise ProfileError(f"no acceptance measured for category {category!r} with {name} (measured: {known})")
+
+    def proposal_rate(self, drafter: str, category: str | None = None) -> float:
+        """ρ for a category, or over every profiled category (weighted by steps) when none is given."""
+        if category is not None:
+            return self.acceptance_for(category, drafter).proposal_rate
+        name = self.drafter(drafter).name
+        rows = [a for a in self.acceptance if a.drafter == name and a.steps]
+        steps = sum(a.steps for a in rows)
+        return sum(a.proposal_rate * a.steps for a in rows) / steps if steps else 1.0
+
+    @property
+    def categories(self) -> list[str]:
+        return sorted({a.category for a in self.acceptance})
+
+    def save(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        staged = path.with_suffix(path.suffix + ".tmp")
+        staged.write_text(self.model_dump_json(indent=1), encoding="utf-8")
+        staged.replace(path)  # a reader never sees half a profile
+
+    @classmethod
+    def load(cls, path: Path) -> Profile:
+        if not path.is_file():
+            raise ProfileError(f"no profile at {path}: measure one with `specroute profile`")
+        try:
+            return cls.model_validate_json(path.read_text(encoding="utf-8"))
+        except ValidationError as exc:
+            if any(e["loc"] == ("version",) for e in exc.errors()):
+                raise ProfileError(
+                    f"{path} was written by another profile version (this specroute reads version "
+                    f"{PROFILE_VERSION}): measure a new one with `specroute profile`"
+                ) from None
+            raise ProfileError(f"{path} is not a valid profile: {exc}") from None

@@ -1,0 +1,115 @@
+"""The profile as a capacity-planning report: cost curves, where decode turns compute-bound, what
+each drafter costs, acceptance per category, and how well α can be predicted."""
+
+from __future__ import annotations
+
+from policies.cost_model import knee, step_model
+from policies.estimates import ProfileCosts
+from policies.profile import Profile
+
+COMPUTE_BOUND = 0.5  # elasticity at which the report calls a batch compute-bound (the policy default)
+
+
+def render_profile(profile: Profile, threshold: float = COMPUTE_BOUND) -> str:
+    m = profile.model
+    lines = [
+        f"specroute profile — {m.name} ({m.dtype}, {m.device}, {m.threads} threads) on {profile.machine.get('cpu')}, "
+        f"measured {profile.created:%Y-%m-%d %H:%M} UTC",
+        "",
+        *_target_table(profile),
+        "",
+        *_scaling(profile, threshold),
+        "",
+        "prefill (time to first token, batch 1): "
+        + "  ".join(
+            f"{n} tokens {s * 1e3:.0f} ms"
+            for n, s in zip(profile.prefill.widths, profile.prefill.seconds[0], strict=True)
+        ),
+        "",
+        *_drafters(profile),
+        "",
+        *_acceptance(profile),
+    ]
+    if profile.predictor:
+        lines += ["", *_predictor(profile)]
+    return "\n".join(lines)
+
+
+def _target_table(profile: Profile) -> list[str]:
+    curve, costs = profile.target, ProfileCosts(profile)
+    widths = curve.widths
+    lines = ["target pass t(b, n) in ms, n = new tokens per sequence (n = k + 1 verifies k drafts):"]
+    lines.append("  batch " + "".join(f"{w:>8}" for w in widths))
+    lines += [
+        f"  {b:>5} " + "".join(f"{s * 1e3:8.1f}" for s in row)
+        for b, row in zip(curve.batches, curve.seconds, strict=True)
+    ]
+    lines.append("v(b, k) = cheapest pass of ≥ k + 1 tokens over a 1-token pass:")
+    lines.append("  batch " + "".join(f"{'k=' + str(k):>8}" for k in range(1, len(widths))))
+    lines += [f"  {b:>5} " + "".join(f"{v:8.2f}" for v in costs.verify_costs(b)[1:]) for b in curve.batches]
+    return lines
+
+
+def _scaling(profile: Profile, threshold: float) -> list[str]:
+    curve, costs = profile.target, ProfileCosts(profile)
+    steps = [curve.at(b, 1) for b in curve.batches]
+    lines = [
+        "decode step by concurrency (elasticity = d log t / d log b of the fit; 0: a sequence is free, 1: full share):"
+    ]
+    lines.append(f"  {'batch':>5} {'step ms':>8} {'ms/seq':>8} {'tok/s':>8} {'elasticity':>10}  regime")
+    for b, s in zip(curve.batches, steps, strict=True):
+        eps = costs.elasticity(b)
+        regime = "compute-bound" if eps >= threshold else "memory/overhead-bound"
+        lines.append(f"  {b:>5} {s * 1e3:8.1f} {s * 1e3 / b:8.2f} {b / s:8.1f} {eps:10.2f}  {regime}")
+    fixed, per_sequence = step_model(curve.batches, steps)
+    point = knee(curve.batches, steps, threshold)
+    lines.append(
+        f"fit: a step costs {fixed * 1e3:.1f} ms whatever the batch + {per_sequence * 1e3:.2f} ms per sequence"
+    )
+    if point is None:
+        lines.append("no per-sequence cost measured: decode stays memory/overhead-bound at every batch")
+    else:
+        beyond = " (beyond the measured batches)" if point > curve.batches[-1] else ""
+        lines.append(
+            f"adding a sequence stops being nearly free from concurrency ≈ {point:.0f}{beyond} "
+            f"(elasticity ≥ {threshold:g})"
+        )
+    return lines
+
+
+def _drafters(profile: Profile) -> list[str]:
+    costs = ProfileCosts(profile)
+    batches = profile.target.batches
+    lines = ["drafters: c = one draft step over one target step, by batch:"]
+    lines.append(f"  {'drafter':40}" + "".join(f"{b:>7}" for b in batches))
+    for d in profile.drafters:
+        lines.append(f"  {d.name:40}" + "".join(f"{costs.draft_cost(d, b):7.3f}" for b in batches))
+    return lines
+
+
+def _acceptance(profile: Profile) -> list[str]:
+    lines = [
+        "acceptance (greedy, fixed k; α = accepted / judged, the cost model's; rate = accepted / drafted; "
+        "ρ = steps with a proposal; by position = share of steps accepting token j):"
+    ]
+    lines.append(
+        f"  {'category':14} {'drafter':40} {'k':>2} {'α':>5} {'rate':>5} {'ρ':>5} {'acc.len':>7} {'γ':>6}  by position"
+    )
+    for a in profile.acceptance:
+        positions = " ".join(f"{p:.2f}" for p in a.accepted_per_position[:8])
+        lines.append(
+            f"  {a.category:14} {a.drafter:40} {a.k:>2} {a.alpha:5.2f} {a.acceptance_rate:5.2f} {a.proposal_rate:5.2f} "
+            f"{a.mean_accepted_length:7.2f} {a.gamma:6.3f}  {positions}"
+        )
+    return lines
+
+
+def _predictor(profile: Profile) -> list[str]:
+    lines = ["α predictor, cross-validated on held-out prompts (mean absolute error of α):"]
+    lines.append(f"  {'drafter':40} {'prompts':>7} {'folds':>5} {'+category':>9} {'text only':>9} {'constant':>9}")
+    for s in profile.predictor:
+        lines.append(
+            f"  {s.drafter:40} {s.samples:>7} {s.folds:>5} {s.mae_with_category:9.3f} "
+            f"{s.mae_text_only:9.3f} {s.mae_constant:9.3f}"
+        )
+    return lines

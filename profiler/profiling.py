@@ -1,0 +1,234 @@
+"""`specroute profile`: measure, on this machine, everything the policy decides with — the target's
+pass time t(b, n) by batch and new tokens per sequence, prefill time by prompt length, each
+drafter's step cost, acceptance per prompt category and drafter — fit the α predictor from the
+per-prompt acceptance, cross-validate it, and write the versioned profile (JSON)."""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from importlib.metadata import version
+from pathlib import Path
+
+import torch
+from pydantic import BaseModel, Field, field_validator, model_validator
+from tqdm import tqdm
+
+from backends.embedded import specroute_home
+from backends.generation import GenerationRequest, GenerationResult
+from backends.models import LoadedModel, load_model
+from backends.speculative.control import StepCosts
+from backends.speculative.drafters import Drafter, ModelDrafter
+from backends.speculative.engine import K_LIMIT, SpeculativeEngine, measure_step_times, step_costs
+from backends.speculative.factory import DrafterConfig, DrafterKind, build_drafter
+from backends.speculative.kv import BatchedCache
+from backends.speculative.stats import SpeculationStats
+from policies.profile import (
+    AcceptanceProfile,
+    AcceptanceSample,
+    CostCurve,
+    DrafterProfile,
+    ModelSummary,
+    Profile,
+)
+
+from .hardware import machine_info
+from .predictor import cross_validate
+from .workloads import check_categories, load_prompt_set
+
+PREFILL_REPEATS = 3
+
+
+class ProfileConfig(BaseModel):
+    model: str = "embedded"
+    dtype: str = "float32"
+    device: str = "cpu"
+    threads: int | None = Field(None, ge=1)
+    batches: list[int] = Field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64], min_length=2)
+    max_width: int = Field(9, ge=2, le=K_LIMIT + 1, description="widest pass measured: k up to max_width - 1")
+    prefill_lengths: list[int] = Field(default_factory=lambda: [16, 64, 256, 1024], min_length=1)
+    drafters: list[DrafterKind] = Field(default_factory=lambda: ["ngram", "model"])
+    drafter: DrafterConfig = Field(default_factory=DrafterConfig, description="drafter options (kind is ignored)")
+    acceptance_k: int = Field(8, ge=1, description="k every drafter runs at while its acceptance is measured")
+    max_tokens: int = Field(64, ge=2, le=2048)
+    categories: list[str] | None = None
+    prompts_per_category: int | None = Field(None, ge=1, description="default: every prompt of the set")
+    folds: int = Field(5, ge=2)
+
+    _known_categories = field_validator("categories")(check_categories)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ProfileConfig:
+        for name in ("batches", "prefill_lengths"):
+            values = getattr(self, name)
+            if values != sorted(set(values)) or values[0] < 1:
+                raise ValueError(f"{name} must be positive and strictly increasing (got {values})")
+        if self.acceptance_k > self.max_width - 1:
+            raise ValueError(f"acceptance_k ({self.acceptance_k}) needs max_width ≥ {self.acceptance_k + 1}")
+        return self
+
+
+def default_profile_path(model: str = "embedded", dtype: str = "float32", device: str = "cpu") -> Path:
+    """One profile per model, dtype and device under SPECROUTE_HOME (default ~/.cache/specroute)."""
+    slug = re.sub(r"[^A-Za-z0-9._-]+", "_", model.strip("/")).strip("_") or "model"
+    return specroute_home() / "profiles" / f"{slug}-{dtype}-{device}.json"
+
+
+def run_profile(config: ProfileConfig, progress: bool = True) -> Profile:
+    loaded = load_model(config.model, dtype=config.dtype, device=config.device, threads=config.threads)
+    widths = list(range(1, config.max_width + 1))
+    target = measure_curve(loaded, config.batches, widths, "target t(b, n)", progress)
+    prefill = measure_prefill(loaded, config.prefill_lengths, progress)
+    costs = seeded_step_costs(loaded, target)
+    drafters, acceptance, samples = [], [], []
+    for kind in config.drafters:
+        drafter = build_drafter(config.drafter.model_copy(update={"kind": kind}), loaded)
+        measured, prompt_samples, run_step_s = measure_acceptance(loaded, drafter, costs, config, progress)
+        acceptance += measured
+        samples += prompt_samples
+        drafters.append(drafter_profile(loaded, drafter, kind, config.batches, run_step_s, progress))
+    return Profile(
+        created=datetime.now(UTC),
+        machine=machine_info().model_dump(),
+        model=_model_summary(loaded),
+        libraries={name: version(name) for name in ("torch", "transformers", "scikit-learn", "numpy")},
+        settings=config.model_dump(mode="json"),
+        target=target,
+        prefill=prefill,
+        drafters=drafters,
+        acceptance=acceptance,
+        samples=samples,
+        predictor=cross_validate(samples, folds=config.folds) if samples else [],
+    )
+
+
+def measure_curve(
+    loaded: LoadedModel, batches: Sequence[int], widths: Sequence[int], label: str, progress: bool
+) -> CostCurve:
+    """Best-of-3 pass times for every batch × width (64-token context per sequence)."""
+    pad_id = loaded.tokenizer.pad_token_id
+    rows = [
+        list(measure_step_times(loaded.model, pad_id, b, widths).values())
+        for b in tqdm(batches, desc=label, unit="batch", disable=not progress)
+    ]
+    return CostCurve(batches=list(batches), widths=list(widths), seconds=rows)
+
+
+@torch.inference_mode()
+def measure_prefill(loaded: LoadedModel, lengths: Sequence[int], progress: bool) -> CostCurve:
+    """Best-of-3 prefill seconds of one prompt of each length: the time to first token."""
+    model, pad_id = loaded.model, loaded.tokenizer.pad_token_id
+    vocab = model.get_output_embeddings().weight.shape[0]
+    generator = torch.Generator().manual_seed(0)
+    seconds = []
+    for length in tqdm(lengths, desc="prefill", unit="length", disable=not progress):
+        best = float("inf")
+        for _ in range(PREFILL_REPEATS):
+            prompt = torch.randint(0, vocab, (1, length), generator=generator).tolist()
+            started = time.perf_counter()
+            float(BatchedCache(model, pad_id).prefill(prompt)[0, 0])  # reading a value waits for the device
+            best = min(best, time.perf_counter() - started)
+        seconds.append(best)
+    return CostCurve(batches=[1], widths=list(lengths), seconds=[seconds])
+
+
+def seeded_step_costs(loaded: LoadedModel, curve: CostCurve) -> StepCosts:
+    """The engine's step-cost table started from a measured curve, so runs need no probing of their own."""
+    costs = step_costs(loaded, max_width=curve.max_width)
+    for b, row in zip(curve.batches, curve.seconds, strict=True):
+        if b & (b - 1) == 0:  # the engine keys its table by power-of-two buckets
+            costs.target_s.update({(b, w): s for w, s in zip(curve.widths, row, strict=True)})
+    return costs
+
+
+def measure_acceptance(
+    loaded: LoadedModel, drafter: Drafter, costs: StepCosts, config: ProfileConfig, progress: bool
+) -> tuple[list[AcceptanceProfile], list[AcceptanceSample], float]:
+    """Each category's prompts as one greedy batch at the fixed k (greedy tokens do not depend on the
+    batch); per category and per prompt acceptance, and the drafter's seconds per requested token."""
+    engine = SpeculativeEngine(loaded, drafter, k=config.acceptance_k, costs=costs)
+    prompt_set = load_prompt_set()
+    categories = config.categories or list(prompt_set.categories)
+    measured, samples = [], []
+    for category in tqdm(categories, desc=f"acceptance {drafter.name}", unit="category", disable=not progress):
+        prompts = prompt_set.categories[category].prompts[: config.prompts_per_category]
+        requests = [GenerationRequest(messages=p.messages, max_tokens=config.max_tokens) for p in prompts]
+        results = engine.generate(requests)
+        stats = [r.speculation for r in results if r.speculation is not None]
+        measured.append(
+            acceptance_profile(category, config.acceptance_k, len(prompts), SpeculationStats.combined(stats))
+        )
+        samples += [
+            _sample(p.id, category, drafter.name, q, r) for p, q, r in zip(prompts, requests, results, strict=True)
+        ]
+    totals = engine.totals
+    per_token = totals.draft_time_s / max(totals.requested_steps, 1) / config.acceptance_k
+    return measured, samples, per_token
+
+
+def acceptance_profile(category: str, k: int, prompts: int, stats: SpeculationStats) -> AcceptanceProfile:
+    steps = stats.requested_steps
+    return AcceptanceProfile(
+        category=category,
+        drafter=stats.drafter,
+        k=k,
+        prompts=prompts,
+        steps=steps,
+        draft_tokens=stats.draft_tokens,
+        accepted_tokens=stats.accepted_tokens,
+        judged_tokens=stats.judged_tokens,
+        alpha=stats.alpha,
+        acceptance_rate=stats.acceptance_rate,
+        proposal_rate=stats.proposal_rate,
+        accepted_per_position=[n / steps for n in stats.accepted_per_position] if steps else [],
+        mean_accepted_length=1.0 + stats.accepted_tokens / steps if steps else 1.0,
+        gamma=stats.draft_time_s / steps / stats.target_step_s if steps and stats.target_step_s else 0.0,
+    )
+
+
+def _sample(
+    prompt_id: str, category: str, drafter: str, request: GenerationRequest, result: GenerationResult
+) -> AcceptanceSample:
+    stats = result.speculation
+    assert stats is not None  # the speculative engine always attaches its statistics
+    text, turns = request.text_and_turns()
+    return AcceptanceSample(
+        prompt_id=prompt_id,
+        category=category,
+        drafter=drafter,
+        text=text,
+        turns=turns,
+        prompt_tokens=result.prompt_tokens,
+        judged_tokens=stats.judged_tokens,
+        accepted_tokens=stats.accepted_tokens,
+        alpha=stats.alpha,
+    )
+
+
+def drafter_profile(
+    loaded: LoadedModel, drafter: Drafter, kind: DrafterKind, batches: Sequence[int], run_step_s: float, progress: bool
+) -> DrafterProfile:
+    """A model drafter's step is one forward pass of its model: measured per batch like the target.
+    Prompt lookup costs no model pass: its time per requested token in the acceptance runs is kept."""
+    if isinstance(drafter, ModelDrafter):
+        pad_id = loaded.tokenizer.pad_token_id
+        seconds = [
+            measure_step_times(drafter.model, pad_id, b, [1])[1]
+            for b in tqdm(batches, desc=f"draft step {drafter.name}", unit="batch", disable=not progress)
+        ]
+        return DrafterProfile(name=drafter.name, kind=kind, batches=list(batches), step_seconds=seconds)
+    return DrafterProfile(name=drafter.name, kind=kind, batches=[1], step_seconds=[run_step_s])
+
+
+def _model_summary(loaded: LoadedModel) -> ModelSummary:
+    info = loaded.info
+    return ModelSummary(
+        name=info.name,
+        dtype=info.dtype,
+        device=info.device,
+        parameters=info.parameters,
+        weight_bytes=info.weight_bytes,
+        threads=torch.get_num_threads(),
+    )

@@ -1,0 +1,115 @@
+"""Advice for one request without running it: features (prompt tokens, predicted α per drafter) →
+`policies.decide` → the decision, its reasons and a table of every candidate. The CLI's `advise`
+and the service's `/v1/advise` both go through here."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, Field
+from transformers import PreTrainedTokenizerBase
+
+from backends.generation import GenerationRequest
+from backends.plain import prompt_ids
+from policies.config import PolicyConfig
+from policies.policy import AlphaInput, Decision, LoadSnapshot, RequestFeatures, decide
+from policies.profile import Profile, ProfileError
+from profiler.predictor import AlphaPredictor
+
+
+class Advice(BaseModel):
+    """What `advise --json` prints: the decision at the top level, plus what it was computed from."""
+
+    backend: str
+    drafter: str | None
+    k: int | None
+    stage: str
+    reasons: list[str]
+    candidates: list[dict[str, object]]
+    concurrency: int
+    bottleneck: str
+    elasticity: float
+    features: RequestFeatures
+    profile: str = Field(description="when and on what the profile was measured")
+
+
+def request_features(
+    request: GenerationRequest | None,
+    category: str | None,
+    profile: Profile,
+    predictor: AlphaPredictor | None,
+    tokenizer: PreTrainedTokenizerBase | None,
+    max_tokens: int,
+) -> RequestFeatures:
+    """α per drafter from the predictor when there is a prompt; with only a category, the profile's
+    measured mean for it (`decide` falls back to that) and the category's mean prompt length."""
+    if category is not None and category not in profile.categories:
+        raise ProfileError(f"category {category!r} was not profiled (profiled: {', '.join(profile.categories)})")
+    if request is None:
+        if category is None:
+            raise ProfileError("give a prompt, a category, or both")
+        return RequestFeatures(
+            prompt_tokens=_mean_prompt_tokens(profile, category), max_tokens=max_tokens, category=category
+        )
+    if tokenizer is None:
+        raise ValueError("a tokenizer is needed to count the prompt's tokens")
+    tokens = len(prompt_ids(tokenizer, request))
+    text, turns = request.text_and_turns()
+    alphas = {}
+    if predictor is not None:
+        for name in predictor.drafters:
+            estimate = predictor.predict(text, turns, tokens, name, category)
+            alphas[name] = AlphaInput(alpha=estimate.alpha, source=estimate.source)
+    return RequestFeatures(prompt_tokens=tokens, max_tokens=max_tokens, category=category, alphas=alphas)
+
+
+def advise(features: RequestFeatures, concurrency: int, profile: Profile, config: PolicyConfig) -> Advice:
+    # Everything else in flight counts toward the load: every backend shares this machine.
+    load = LoadSnapshot(in_flight={"other": concurrency - 1})
+    return to_advice(decide(features, load, profile, config), features, profile)
+
+
+def to_advice(decision: Decision, features: RequestFeatures, profile: Profile) -> Advice:
+    m = profile.model
+    return Advice(
+        backend=decision.backend,
+        drafter=decision.drafter,
+        k=decision.k,
+        stage=decision.stage,
+        reasons=decision.reasons,
+        candidates=[c.model_dump() for c in decision.candidates],
+        concurrency=decision.concurrency,
+        bottleneck=decision.bottleneck,
+        elasticity=decision.elasticity,
+        features=features,
+        profile=f"{m.name} {m.dtype} on {profile.machine.get('cpu')}, measured {profile.created:%Y-%m-%d %H:%M} UTC",
+    )
+
+
+def render_advice(advice: Advice) -> str:
+    f = advice.features
+    chosen = advice.backend + (f" ({advice.drafter}, k={advice.k})" if advice.drafter else "")
+    lines = [
+        f"decision: {chosen} — decided at the {advice.stage} stage, concurrency {advice.concurrency}",
+        f"request: {f.prompt_tokens} prompt tokens, up to {f.max_tokens} new"
+        + (f", category {f.category}" if f.category else ""),
+        "",
+        "why:",
+        *[f"  {i}. {reason}" for i, reason in enumerate(advice.reasons, 1)],
+        "",
+        f"  {'backend':12} {'drafter':36} {'α̂':>5} {'ρ':>4} {'k':>2} {'E':>5} {'c':>6} {'v(b,k)':>6} "
+        f"{'speedup':>7} {'TPOT ms':>8} {'latency ms':>10} {'tok/s':>7}  SLO",
+    ]
+    for c in advice.candidates:
+        alpha = "—" if c["alpha"] is None else f"{c['alpha']:.2f}"
+        lines.append(
+            f"  {c['backend']:12} {c['drafter'] or '—':36} {alpha:>5} {c['proposal_rate']:4.2f} {c['k']:>2} "
+            f"{c['expected_tokens']:5.2f} "
+            f"{c['c']:6.3f} {c['v']:6.2f} {c['speedup']:6.2f}× {c['tpot_ms']:8.1f} {c['latency_ms']:10.0f} "
+            f"{c['tokens_per_s']:7.1f}  {'met' if c['meets_slo'] else 'missed'}"
+        )
+    lines += ["", f"profile: {advice.profile}"]
+    return "\n".join(lines)
+
+
+def _mean_prompt_tokens(profile: Profile, category: str) -> int:
+    lengths = [s.prompt_tokens for s in profile.samples if s.category == category]
+    return round(sum(lengths) / len(lengths)) if lengths else 1

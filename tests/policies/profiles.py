@@ -1,0 +1,109 @@
+"""Synthetic profiles with known closed forms: a pass of w tokens per sequence at batch b takes
+fixed + per_token·b·w seconds (weights streamed once per pass + per-token compute), so v(b, k),
+the elasticity and the break-even concurrency can all be computed by hand."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+from policies.profile import (
+    AcceptanceProfile,
+    AcceptanceSample,
+    CostCurve,
+    DrafterProfile,
+    ModelSummary,
+    Profile,
+    QuantizedProfile,
+)
+
+FIXED = 0.070
+PER_TOKEN = 0.0025
+BATCHES = [1, 2, 4, 8, 16, 32, 64]
+WIDTHS = list(range(1, 10))
+ALPHAS = {"copy": 0.8, "prose": 0.1}
+
+
+def step(batch: float, width: int, fixed: float = FIXED, per_token: float = PER_TOKEN) -> float:
+    return fixed + per_token * batch * width
+
+
+def curve(fixed: float = FIXED, per_token: float = PER_TOKEN) -> CostCurve:
+    return CostCurve(
+        batches=BATCHES, widths=WIDTHS, seconds=[[step(b, w, fixed, per_token) for w in WIDTHS] for b in BATCHES]
+    )
+
+
+def acceptance(category: str, drafter: str, alpha: float) -> AcceptanceProfile:
+    return AcceptanceProfile(
+        category=category,
+        drafter=drafter,
+        k=8,
+        prompts=4,
+        steps=100,
+        draft_tokens=800,
+        accepted_tokens=int(800 * alpha),
+        judged_tokens=800,
+        alpha=alpha,
+        acceptance_rate=alpha,
+        accepted_per_position=[alpha ** (j + 1) for j in range(8)],
+        mean_accepted_length=1 + 8 * alpha,
+        gamma=0.0,
+    )
+
+
+def sample(prompt_id: str, category: str, drafter: str, text: str, alpha: float) -> AcceptanceSample:
+    return AcceptanceSample(
+        prompt_id=prompt_id,
+        category=category,
+        drafter=drafter,
+        text=text,
+        turns=1,
+        prompt_tokens=40,
+        judged_tokens=100,
+        accepted_tokens=int(100 * alpha),
+        alpha=alpha,
+    )
+
+
+def synthetic_profile(
+    quantized_agreement: float | None = None, quantized_speed: float = 0.6, model_alpha: float = 0.9
+) -> Profile:
+    """ngram: nearly free, α 0.8 on 'copy' and 0.1 on 'prose'; model: a draft step costing 40 % of a
+    target step at batch 1, α `model_alpha`. Optionally an int8 backend `quantized_speed` × the
+    target's step time with the given token agreement."""
+    drafters = [
+        DrafterProfile(name="ngram", kind="ngram", batches=[1], step_seconds=[1e-4]),
+        DrafterProfile(
+            name="model:tiny@bfloat16",
+            kind="model",
+            batches=BATCHES,
+            step_seconds=[step(b, 1, 0.4 * FIXED, 0.4 * PER_TOKEN) for b in BATCHES],
+        ),
+    ]
+    accept = [acceptance(c, "ngram", a) for c, a in ALPHAS.items()]
+    accept += [acceptance(c, "model:tiny@bfloat16", model_alpha) for c in ALPHAS]
+    samples = [
+        sample(f"{c}-{i}", c, d.name, f"{c} prompt {i}", a if d.kind == "ngram" else model_alpha)
+        for c, a in ALPHAS.items()
+        for d in drafters
+        for i in range(6)
+    ]
+    quantized = None
+    if quantized_agreement is not None:
+        quantized = QuantizedProfile(
+            method="int8 test",
+            curve=curve(FIXED * quantized_speed, PER_TOKEN * quantized_speed),
+            agreement=quantized_agreement,
+        )
+    return Profile(
+        created=datetime(2026, 11, 30, tzinfo=UTC),
+        machine={"cpu": "test CPU", "logical_cores": 2},
+        model=ModelSummary(name="tiny", dtype="float32", device="cpu", parameters=1, weight_bytes=4, threads=2),
+        libraries={"numpy": "test"},
+        target=curve(),
+        prefill=CostCurve(batches=[1], widths=[16, 256], seconds=[[0.1, 0.5]]),
+        drafters=drafters,
+        acceptance=accept,
+        samples=samples,
+        quantized=quantized,
+    )

@@ -1,0 +1,184 @@
+import subprocess
+import sys
+
+import pytest
+
+from policies.config import PolicyConfig, parse_policy
+from policies.policy import AlphaInput, LoadSnapshot, RequestFeatures, decide
+from tests.policies.profiles import synthetic_profile
+
+NGRAM_ONLY = {"speculation": {"drafters": ["ngram"]}}
+
+
+def features(category: str | None = "copy", **alphas: float) -> RequestFeatures:
+    given = {name: AlphaInput(alpha=a, source="test") for name, a in alphas.items()}
+    return RequestFeatures(prompt_tokens=100, max_tokens=64, category=category, alphas=given)
+
+
+def load(concurrency: int, memory: float | None = None) -> LoadSnapshot:
+    return LoadSnapshot(in_flight={"plain": concurrency - 1}, memory_utilization=memory)
+
+
+def policy(**overrides: object) -> PolicyConfig:
+    return parse_policy({**NGRAM_ONLY, **overrides})
+
+
+def test_low_load_and_high_alpha_speculate_and_say_why():
+    decision = decide(features("copy"), load(1), synthetic_profile(), policy())
+    assert (decision.backend, decision.drafter, decision.stage) == ("speculative", "ngram", "speculation")
+    assert decision.k is not None and decision.k >= 2
+    assert decision.bottleneck == "memory"
+    text = "\n".join(decision.reasons)
+    assert "memory/overhead-bound" in text and "α̂=0.80" in text and "→ speculate" in text
+    chosen = decision.chosen()
+    assert (
+        chosen.speedup > 1.1 and chosen.tpot_ms < next(c for c in decision.candidates if c.backend == "plain").tpot_ms
+    )
+
+
+def test_high_load_goes_to_the_large_batch_backend():
+    decision = decide(features("copy"), load(64), synthetic_profile(), policy())
+    assert (decision.backend, decision.stage, decision.bottleneck) == ("plain", "batching", "compute")
+    assert any("compute-bound" in r for r in decision.reasons)
+    assert any(r.startswith("batching: the large-batch plain backend") for r in decision.reasons)
+
+
+@pytest.mark.parametrize("concurrency", [1, 2, 4, 8, 16, 32, 64])
+def test_low_alpha_never_speculates(concurrency):
+    decision = decide(features("prose"), load(concurrency), synthetic_profile(), policy())
+    assert decision.backend == "plain"
+    speculative = next(c for c in decision.candidates if c.backend == "speculative")
+    assert speculative.alpha == pytest.approx(0.1)
+
+
+def test_low_alpha_reason_names_the_threshold():
+    decision = decide(features("prose"), load(1), synthetic_profile(), policy())
+    assert any("< 1.1× required → do not speculate" in r for r in decision.reasons)
+
+
+def test_predicted_alpha_overrides_the_category_mean():
+    decision = decide(features("prose", ngram=0.85), load(1), synthetic_profile(), policy())
+    assert decision.backend == "speculative"
+    assert decision.chosen().alpha_source == "test"
+
+
+def test_without_alpha_or_category_speculation_is_not_guessed():
+    decision = decide(features(None), load(1), synthetic_profile(), policy())
+    assert decision.backend == "plain"
+    assert any("no α estimate for ngram" in r for r in decision.reasons)
+
+
+def test_the_best_drafter_wins_among_candidates():
+    # The model drafter accepts 0.99 but costs 40 % of a step; at α 0.8 prompt lookup is nearly free.
+    both = parse_policy({"speculation": {"drafters": ["ngram", "model"]}})
+    decision = decide(features("copy"), load(1), synthetic_profile(model_alpha=0.99), both)
+    specs = [c for c in decision.candidates if c.backend == "speculative"]
+    assert len(specs) == 2
+    assert decision.drafter == max(specs, key=lambda c: c.speedup).drafter
+
+
+def test_speculation_follows_the_cost_model_break_even():
+    """With t = F + P·b·w, c ≈ 0 and k = 1 the closed-form break-even is b* = αF / (P(1 − α)):
+    the policy's speculative candidate must cross 1× there."""
+    profile = synthetic_profile()
+    one = policy(speculation={"drafters": ["ngram"], "k_max": 1}, bottleneck={"compute_bound_elasticity": 0.99})
+    alpha, f, p = 0.5, 0.070, 0.0025
+    b_star = alpha * f / (p * (1 - alpha))  # 28
+    below = decide(features("copy", ngram=alpha), load(int(b_star) - 2), profile, one)
+    above = decide(features("copy", ngram=alpha), load(int(b_star) + 2), profile, one)
+    assert below.candidates[0].speedup > 1.0 > above.candidates[0].speedup
+    assert below.candidates[0].k == above.candidates[0].k == 1
+
+
+def test_max_concurrency_caps_speculation():
+    decision = decide(features("copy"), load(4), synthetic_profile(), policy(speculation={"max_concurrency": 4}))
+    assert decision.backend == "plain"
+    assert any("speculate below concurrency 4" in r for r in decision.reasons)
+
+
+def test_concurrency_override_replaces_the_live_load():
+    decision = decide(features("copy"), load(1), synthetic_profile(), policy(concurrency_override=64))
+    assert decision.concurrency == 64 and decision.backend == "plain"
+
+
+def test_disabled_speculation_is_reported():
+    decision = decide(features("copy"), load(1), synthetic_profile(), policy(speculation={"enabled": False}))
+    assert decision.backend == "plain"
+    assert "speculation: disabled by the policy" in decision.reasons
+
+
+def test_with_batching_disabled_the_speculative_backend_takes_everything():
+    decision = decide(features("prose"), load(64), synthetic_profile(), policy(batching={"enabled": False}))
+    assert (decision.backend, decision.stage) == ("speculative", "batching")
+
+
+# ---- quantization: only when the config allows, the quality floor holds, and load justifies it ----
+
+
+def test_quantization_at_high_load_when_allowed():
+    decision = decide(features("copy"), load(32), synthetic_profile(quantized_agreement=0.97), policy())
+    assert (decision.backend, decision.stage) == ("quantized", "quantization")
+    assert any("concurrency 32 ≥ 16" in r and "97.0% agreement" in r for r in decision.reasons)
+
+
+def test_quantization_needs_a_justifying_load():
+    decision = decide(features("prose"), load(2), synthetic_profile(quantized_agreement=0.97), policy())
+    assert decision.backend == "plain"
+    assert any(r.startswith("quantization: not justified") for r in decision.reasons)
+
+
+def test_quantization_is_off_when_the_config_says_so():
+    config = policy(quantization={"enabled": False})
+    decision = decide(features("copy"), load(32), synthetic_profile(quantized_agreement=0.97), config)
+    assert decision.backend == "plain"
+    assert "quantization: disabled by the policy" in decision.reasons
+
+
+def test_quantization_below_the_quality_floor_is_refused():
+    decision = decide(features("copy"), load(32), synthetic_profile(quantized_agreement=0.60), policy())
+    assert decision.backend == "plain"
+    assert any("< floor 95.0%" in r for r in decision.reasons)
+
+
+def test_quantization_must_be_predicted_to_win():
+    slower = synthetic_profile(quantized_agreement=0.99, quantized_speed=1.2)
+    decision = decide(features("copy"), load(32), slower, policy())
+    assert decision.backend == "plain"
+    assert any("required" in r for r in decision.reasons if r.startswith("quantization"))
+
+
+def test_memory_pressure_justifies_quantization():
+    config = policy(quantization={"min_concurrency": None})
+    profile = synthetic_profile(quantized_agreement=0.97)
+    assert decide(features("prose"), load(2, memory=0.5), profile, config).backend == "plain"
+    decision = decide(features("prose"), load(2, memory=0.9), profile, config)
+    assert decision.backend == "quantized"
+    assert any("memory 90% ≥ 85%" in r for r in decision.reasons)
+
+
+def test_an_slo_miss_justifies_quantization_and_is_reported():
+    config = policy(quantization={"min_concurrency": None}, slo={"tpot_ms": 60})
+    decision = decide(features("prose"), load(2), synthetic_profile(quantized_agreement=0.97), config)
+    assert decision.backend == "quantized"
+    assert any("misses the TPOT SLO" in r for r in decision.reasons)
+    plain = next(c for c in decision.candidates if c.backend == "plain")
+    assert not plain.meets_slo
+
+
+def test_without_a_quantized_measurement_quantization_is_not_considered():
+    decision = decide(features("copy"), load(32), synthetic_profile(), policy())
+    assert "quantization: the profile has no quantized backend measured" in decision.reasons
+    assert all(c.backend != "quantized" for c in decision.candidates)
+
+
+def test_the_last_reason_reports_the_slo():
+    decision = decide(features("copy"), load(1), synthetic_profile(), policy())
+    assert decision.reasons[-1].startswith("slo: predicted TTFT") and decision.reasons[-1].endswith("met")
+
+
+def test_policies_import_neither_torch_nor_ray():
+    code = (
+        "import sys, policies.policy, policies.config, policies.profile, policies.estimates, policies.cost_model; "
+        "sys.exit(bool({'torch', 'ray', 'transformers'} & set(sys.modules)))"
+    )
+    assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0

@@ -1,0 +1,91 @@
+import json
+import math
+
+import pytest
+from pydantic import ValidationError
+
+from policies.profile import CostCurve, Profile, ProfileError
+from tests.policies.profiles import FIXED, PER_TOKEN, curve, step, synthetic_profile
+
+
+def test_curve_is_exact_at_measured_points_and_log_linear_between():
+    c = curve()
+    assert c.at(4, 3) == pytest.approx(step(4, 3))
+    between = c.at(3, 1)
+    share = math.log(3 / 2) / math.log(2)  # how far 3 lies from 2 toward 4, in log(b)
+    assert between == pytest.approx(step(2, 1) ** (1 - share) * step(4, 1) ** share)
+    assert step(2, 1) < between < step(4, 1)
+
+
+def test_curve_beyond_the_last_batch_keeps_the_per_sequence_cost():
+    c = curve()
+    assert c.at(128, 1) == pytest.approx(2 * step(64, 1))
+    assert c.at(0.5, 1) == pytest.approx(step(1, 1))  # below one sequence: a lone sequence's step
+
+
+def test_unmeasured_width_is_a_clear_error():
+    with pytest.raises(ProfileError, match="width 12 was not measured"):
+        curve().at(1, 12)
+
+
+def test_prefill_is_interpolated_by_prompt_length():
+    prefill = CostCurve(batches=[1], widths=[16, 256], seconds=[[0.1, 0.5]])
+    assert prefill.per_token(1, 16) == pytest.approx(0.1)
+    assert prefill.per_token(1, 136) == pytest.approx(0.3)
+    assert prefill.per_token(1, 512) == pytest.approx(1.0)
+    assert prefill.per_token(1, 8) == pytest.approx(0.05)
+
+
+@pytest.mark.parametrize(
+    "fields,message",
+    [
+        ({"batches": [2, 1], "widths": [1], "seconds": [[1.0], [1.0]]}, "strictly increasing"),
+        ({"batches": [1, 2], "widths": [1], "seconds": [[1.0]]}, "one row per batch"),
+        ({"batches": [1], "widths": [1], "seconds": [[0.0]]}, "positive"),
+    ],
+)
+def test_bad_curves_are_refused(fields, message):
+    with pytest.raises(ValidationError, match=message):
+        CostCurve(**fields)
+
+
+def test_profile_round_trips_through_json(tmp_path):
+    profile = synthetic_profile(quantized_agreement=0.97)
+    path = tmp_path / "profiles" / "p.json"
+    profile.save(path)
+    assert Profile.load(path) == profile
+    assert not list(path.parent.glob("*.tmp"))
+
+
+def test_profile_of_another_version_is_refused_with_what_to_do(tmp_path):
+    data = json.loads(synthetic_profile().model_dump_json())
+    data["version"] = 2
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ProfileError, match="another profile version.*specroute profile"):
+        Profile.load(path)
+
+
+def test_missing_or_broken_profiles_say_so(tmp_path):
+    with pytest.raises(ProfileError, match="no profile at .*specroute profile"):
+        Profile.load(tmp_path / "none.json")
+    broken = tmp_path / "broken.json"
+    broken.write_text('{"version": 1}')
+    with pytest.raises(ProfileError, match="is not a valid profile"):
+        Profile.load(broken)
+
+
+def test_drafters_and_acceptance_are_found_by_kind_or_name():
+    profile = synthetic_profile()
+    assert profile.drafter("model").name == "model:tiny@bfloat16"
+    assert profile.drafter("model:tiny@bfloat16").kind == "model"
+    assert profile.acceptance_for("copy", "ngram").alpha == 0.8
+    assert profile.categories == ["copy", "prose"]
+    with pytest.raises(ProfileError, match="no drafter 'early-exit'"):
+        profile.drafter("early-exit")
+    with pytest.raises(ProfileError, match="no acceptance measured for category 'math'"):
+        profile.acceptance_for("math", "ngram")
+
+
+def test_synthetic_curve_matches_its_closed_form():
+    assert curve().at(8, 5) == pytest.approx(FIXED + PER_TOKEN * 40)

@@ -1,0 +1,164 @@
+"""A small real profile of the embedded model (ngram drafter, every prompt of the set, short
+answers), shared by the tests of the profiler, the α predictor on real data, advise and model-fit."""
+
+import json
+import math
+
+import pytest
+
+from policies.profile import Profile
+from profiler.bench_model_fit import ModelFitConfig, render_model_fit, run_model_fit
+from profiler.predictor import AlphaPredictor
+from profiler.profile_report import render_profile
+from profiler.profiling import ProfileConfig, default_profile_path, run_profile
+from profiler.workloads import load_prompt_set
+from router.cli import main
+
+COPYING = ("summarization", "rag", "translation", "code")
+FREE = ("chat", "math", "qa")
+
+
+@pytest.fixture(scope="module")
+def profile(loaded) -> Profile:
+    config = ProfileConfig(
+        batches=[1, 2], max_width=4, prefill_lengths=[8, 32], drafters=["ngram"], acceptance_k=3, max_tokens=24
+    )
+    return run_profile(config, progress=False)
+
+
+@pytest.fixture(scope="module")
+def profile_path(profile, tmp_path_factory):
+    path = tmp_path_factory.mktemp("profile") / "profile.json"
+    profile.save(path)
+    return path
+
+
+def test_profile_records_what_it_measured_on(profile):
+    assert profile.model.name == "SmolLM2-135M-Instruct" and profile.model.dtype == "float32"
+    assert profile.machine["cpu"] and profile.libraries["torch"] and profile.settings["acceptance_k"] == 3
+    assert profile.target.batches == [1, 2] and profile.target.widths == [1, 2, 3, 4]
+    assert all(s > 0 for row in profile.target.seconds for s in row)
+    assert profile.prefill.widths == [8, 32]
+    assert [d.name for d in profile.drafters] == ["ngram"]
+
+
+def test_acceptance_covers_every_category_and_prompt(profile):
+    prompt_set = load_prompt_set()
+    assert profile.categories == sorted(prompt_set.categories)
+    assert len(profile.samples) == sum(len(c.prompts) for c in prompt_set.categories.values())
+    for a in profile.acceptance:
+        assert 0 <= a.alpha <= 1 and a.judged_tokens >= a.accepted_tokens
+        assert a.accepted_per_position == sorted(a.accepted_per_position, reverse=True)  # survival only falls
+        assert a.mean_accepted_length == pytest.approx(1 + sum(a.accepted_per_position))
+
+
+def test_prompt_lookup_accepts_more_where_answers_copy_the_prompt(profile):
+    def mean_alpha(categories):
+        return sum(profile.acceptance_for(c, "ngram").alpha for c in categories) / len(categories)
+
+    assert mean_alpha(COPYING) > mean_alpha(FREE)
+
+
+def test_alpha_predictor_beats_a_constant_on_held_out_prompts(profile):
+    (score,) = profile.predictor
+    assert score.drafter == "ngram" and score.samples == len(profile.samples)
+    assert score.mae_with_category < score.mae_constant
+    assert score.mae_text_only < score.mae_constant
+
+
+def test_profile_round_trips_and_refits_the_same_predictor(profile, profile_path):
+    loaded = Profile.load(profile_path)
+    assert loaded == profile
+    text = "Summarize this passage: " + "The river floods every spring. " * 5
+    first = AlphaPredictor.from_profile(profile).predict(text, 1, 60, "ngram")
+    again = AlphaPredictor.from_profile(loaded).predict(text, 1, 60, "ngram")
+    assert first == again
+
+
+def test_report_shows_curves_scaling_and_acceptance(profile):
+    report = render_profile(profile)
+    for section in (
+        "target pass t(b, n)",
+        "v(b, k)",
+        "decode step by concurrency",
+        "prefill",
+        "drafters:",
+        "acceptance",
+        "α predictor",
+    ):
+        assert section in report
+
+
+def test_advise_runs_on_a_real_profile(capsys, profile_path):
+    prompt = "Translate to French: " + load_prompt_set().categories["translation"].prompts[0].messages[-1].content
+    code = main(["advise", prompt, "--concurrency", "2", "--profile", str(profile_path), "--json"])
+    advice = json.loads(capsys.readouterr().out)
+    assert code == 0 and advice["backend"] in {"speculative", "plain"}
+    spec = next(c for c in advice["candidates"] if c["backend"] == "speculative")
+    assert spec["drafter"] == "ngram" and 1 <= spec["k"] <= 3 and spec["alpha"] is not None
+    assert advice["features"]["prompt_tokens"] > 20
+
+
+def test_model_fit_sets_measured_against_predicted(profile_path):
+    config = ModelFitConfig(
+        profile=str(profile_path),
+        categories=["summarization"],
+        ks=[1, 3],
+        batches=[1, 2],
+        max_tokens=8,
+        prompts_per_category=1,
+    )
+    report = run_model_fit(config, progress=False)
+    assert [(p.batch, p.k) for p in report.points] == [(1, 1), (1, 3), (2, 1), (2, 3)]
+    assert all(p.identical for p in report.points)  # lossless: every row equals plain decoding
+    assert all(p.measured > 0 and p.predicted > 0 and 0 <= p.alpha <= 1 for p in report.points)
+    assert math.isfinite(report.mape) and report.break_even[0].category == "summarization"
+    assert "mean absolute percentage error" in render_model_fit(report)
+
+
+def test_profile_command_writes_where_it_says(capsys, tmp_path):
+    path = tmp_path / "p.json"
+    args = [
+        "profile",
+        "--batches",
+        "1,2",
+        "--max-width",
+        "2",
+        "--prefill-lengths",
+        "8",
+        "--drafters",
+        "ngram",
+        "--acceptance-k",
+        "1",
+        "--categories",
+        "chat",
+        "--prompts",
+        "2",
+        "--max-tokens",
+        "4",
+        "--out",
+        str(path),
+    ]
+    assert main(args) == 0
+    assert f"profile written to {path}" in capsys.readouterr().out
+    assert Profile.load(path).categories == ["chat"]
+
+
+def test_default_profile_path_is_per_model_under_specroute_home(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECROUTE_HOME", str(tmp_path))
+    assert default_profile_path() == tmp_path / "profiles" / "embedded-float32-cpu.json"
+    assert default_profile_path("/models/My Model/", "bfloat16", "cuda").name == "models_My_Model-bfloat16-cuda.json"
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--batches", "4,2"], "batches must be positive and strictly increasing"),
+        (["--acceptance-k", "9", "--max-width", "4"], "acceptance_k (9) needs max_width ≥ 10"),
+        (["--categories", "poetry"], "unknown categories ['poetry'] (the prompt set has chat, code"),
+    ],
+)
+def test_profile_command_refuses_bad_settings(capsys, tmp_path, args, message):
+    assert main(["profile", *args, "--out", str(tmp_path / "p.json")]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "p.json").exists()

@@ -1,0 +1,69 @@
+import json
+
+import pytest
+
+from router.cli import main
+from tests.policies.profiles import synthetic_profile
+
+
+@pytest.fixture
+def profile_path(tmp_path):
+    path = tmp_path / "profile.json"
+    synthetic_profile(quantized_agreement=0.97).save(path)
+    return path
+
+
+def advise(capsys, *args: str) -> tuple[int, str, str]:
+    code = main(["advise", *args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_category_advice_as_json_has_the_decision_at_the_top(capsys, profile_path):
+    code, out, _ = advise(capsys, "--category", "copy", "--concurrency", "1", "--profile", str(profile_path), "--json")
+    assert code == 0
+    advice = json.loads(out)
+    assert {"backend", "drafter", "k", "reasons", "candidates"} <= advice.keys()
+    assert advice["backend"] == "speculative" and advice["drafter"] == "ngram" and advice["k"] >= 1
+    assert {c["backend"] for c in advice["candidates"]} == {"speculative", "plain", "quantized"}
+    assert any(r.startswith("bottleneck:") for r in advice["reasons"])
+
+
+def test_advice_moves_to_batching_and_quantization_under_load(capsys, profile_path):
+    code, out, _ = advise(capsys, "--category", "copy", "--concurrency", "48", "--profile", str(profile_path), "--json")
+    assert code == 0 and json.loads(out)["backend"] == "quantized"
+    policy = profile_path.parent / "policy.yaml"
+    policy.write_text("quantization:\n  enabled: false\n")
+    args = ["--category", "copy", "--concurrency", "48", "--profile", str(profile_path), "--policy", str(policy)]
+    code, out, _ = advise(capsys, *args, "--json")
+    assert code == 0 and json.loads(out)["backend"] == "plain"
+
+
+def test_prompt_advice_predicts_alpha_and_prints_a_table(capsys, profile_path):
+    code, out, _ = advise(capsys, "copy prompt 3", "--profile", str(profile_path))
+    assert code == 0
+    assert out.startswith("decision: ")
+    assert "why:" in out and "speedup" in out and "TPOT ms" in out
+    assert "model (text only, no category given)" in out
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--category", "poetry"], "category 'poetry' was not profiled (profiled: copy, prose)"),
+        (["--concurrency", "0", "--category", "copy"], "--concurrency counts this request too"),
+        ([], "give a prompt (or --messages), a --category, or both"),
+    ],
+)
+def test_bad_advice_requests_explain_themselves(capsys, profile_path, args, message):
+    code, _, err = advise(capsys, *args, "--profile", str(profile_path))
+    assert code == 2 and message in err
+
+
+def test_missing_profile_and_bad_policy_are_user_errors(capsys, tmp_path, profile_path):
+    code, _, err = advise(capsys, "--category", "copy", "--profile", str(tmp_path / "none.json"))
+    assert code == 2 and "specroute profile" in err
+    policy = tmp_path / "bad.yaml"
+    policy.write_text("speculation:\n  k_max: 40\n")
+    code, _, err = advise(capsys, "--category", "copy", "--profile", str(profile_path), "--policy", str(policy))
+    assert code == 2 and "speculation.k_max" in err
