@@ -5,11 +5,11 @@ E(α, k) = (1 − α^(k+1)) / (1 − α) tokens on average. Its cost, in units o
 step at the same batch, is k·c (drafting, c per token) plus v(b, k) (a (k+1)-token target pass
 over a 1-token pass). Speedup over plain decoding is E / (k·c + v).
 
-Drafters such as prompt lookup propose nothing on some steps (no match); such a step runs a plain
-1-token pass unless another sequence of the batch drafted, since a batch shares one pass width.
-With a proposal rate ρ at batch b the verify pass is wide with probability 1 − (1 − ρ)^b, so the
-step costs k·c + q·v + (1 − q). A missing proposal counts as a rejection in α, so E(α, k) needs no
-change. ρ = 1 (every step proposes, as a draft model does) gives the textbook formula.
+Drafters such as prompt lookup propose nothing on some steps (no match). With a proposal rate ρ
+and α measured on the steps that do propose, a step emits 1 + ρ·(E(α, k) − 1) tokens; a step
+without a proposal runs a plain 1-token pass unless another sequence of the batch drafted (a batch
+shares one pass width), so at batch b the pass is wide with probability q = 1 − (1 − ρ)^b and the
+step costs k·c + q·v + (1 − q). ρ = 1 (a draft model always proposes) gives the textbook formula.
 """
 
 from __future__ import annotations
@@ -30,6 +30,12 @@ def expected_tokens(alpha: float | np.ndarray, k: int | np.ndarray) -> float | n
     return float(value) if value.ndim == 0 else value
 
 
+def tokens_per_step(alpha: float, k: int, proposal_rate: float = 1.0) -> float:
+    """Mean tokens a step emits when only a share ρ of steps has a proposal: 1 + ρ·(E(α, k) − 1)."""
+    rho = min(max(proposal_rate, 0.0), 1.0)
+    return 1.0 + rho * (float(expected_tokens(alpha, k)) - 1.0)
+
+
 def step_cost(k: int, c: float, v: float, proposal_rate: float = 1.0, batch: int = 1) -> float:
     """A step's cost in plain 1-token passes: drafting k·c, then the (k+1)-token pass v when some
     sequence of the batch drafted (probability 1 − (1 − ρ)^b), else a plain pass."""
@@ -44,7 +50,7 @@ def speedup(alpha: float, k: int, c: float, v: float, proposal_rate: float = 1.0
     cost = step_cost(k, c, v, proposal_rate, batch)
     if cost <= 0:
         raise ValueError(f"step cost must be positive (k={k}, c={c}, v={v})")
-    return float(expected_tokens(alpha, k)) / cost
+    return tokens_per_step(alpha, k, proposal_rate) / cost
 
 
 def best_k(alpha: float, c: float, verify_cost: Sequence[float], k_max: int | None = None) -> tuple[int, float]:
@@ -93,8 +99,8 @@ def per_token_seconds(
     step_s: float, alpha: float, k: int, c: float, v: float, proposal_rate: float = 1.0, batch: int = 1
 ) -> float:
     """Expected seconds per output token of one sequence: a step costs step_s·(k·c + v) (see
-    `step_cost`) and emits E(α, k) tokens (k = 0, v = 1: a plain step, one token)."""
-    return step_s * step_cost(k, c, v, proposal_rate, batch) / float(expected_tokens(alpha, k))
+    `step_cost`) and emits 1 + ρ·(E(α, k) − 1) tokens (k = 0, v = 1: a plain step, one token)."""
+    return step_s * step_cost(k, c, v, proposal_rate, batch) / tokens_per_step(alpha, k, proposal_rate)
 
 
 def step_model(batches: Sequence[float], seconds: Sequence[float]) -> tuple[float, float]:

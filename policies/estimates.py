@@ -7,7 +7,14 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-from .cost_model import best_speculative_k, effective_verify_costs, elasticity, expected_tokens, per_token_seconds
+from .cost_model import (
+    best_speculative_k,
+    break_even_concurrency,
+    effective_verify_costs,
+    elasticity,
+    per_token_seconds,
+    tokens_per_step,
+)
 from .profile import DrafterProfile, Profile
 
 Backend = Literal["speculative", "plain", "quantized"]
@@ -22,7 +29,7 @@ class Candidate(BaseModel):
     alpha_source: str | None = None
     proposal_rate: float = Field(1.0, description="share of steps the drafter proposes in (prompt lookup: a match)")
     k: int = Field(0, description="drafted tokens per step (0: no speculation)")
-    expected_tokens: float = Field(1.0, description="E(α, k): tokens per step")
+    expected_tokens: float = Field(1.0, description="tokens per step: 1 + ρ·(E(α, k) − 1)")
     c: float = Field(0.0, description="one draft step over one target step at this concurrency")
     v: float = Field(1.0, description="v(b, k): the verify pass over a 1-token pass")
     speedup: float = Field(description="tokens/s over plain decoding at the same concurrency")
@@ -86,7 +93,7 @@ def speculative_candidate(
             "alpha_source": alpha_source,
             "proposal_rate": proposal_rate,
             "k": k,
-            "expected_tokens": float(expected_tokens(alpha, k)),
+            "expected_tokens": tokens_per_step(alpha, k, proposal_rate),
             "c": c,
             "v": verify[k],
         }
@@ -114,3 +121,18 @@ def _candidate(
         latency_ms=(ttft_s + max(max_tokens - 1, 0) * token_s) * 1e3,
         tokens_per_s=batch / token_s,
     )
+
+
+def speculation_break_even(
+    costs: ProfileCosts, drafter: DrafterProfile, candidate: Candidate, k_range: tuple[int, int], b_max: int
+) -> int | None:
+    """The concurrency from which this request's best speculation (same α and ρ) stops beating
+    plain decoding; None when it still pays at b_max."""
+    assert candidate.alpha is not None
+
+    def best(b: int) -> float:
+        verify = costs.verify_costs(b)
+        c = costs.draft_cost(drafter, b)
+        return best_speculative_k(candidate.alpha, c, verify, k_range[0], k_range[1], candidate.proposal_rate, b)[1]
+
+    return break_even_concurrency(best, b_max)

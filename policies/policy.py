@@ -18,6 +18,7 @@ from .estimates import (
     ProfileCosts,
     plain_candidate,
     quantized_candidate,
+    speculation_break_even,
     speculative_candidate,
 )
 from .profile import Profile, ProfileError
@@ -68,6 +69,11 @@ class Decision(BaseModel):
     elasticity: float = Field(description="d log(step time) / d log(batch) at this concurrency")
     reasons: list[str]
     candidates: list[Candidate]
+    break_even: dict[str, int | None] = Field(
+        default_factory=dict,
+        description="per drafter: the concurrency from which speculating on this request stops paying (None: not "
+        "up to the larger of batching.max_batch and the current concurrency)",
+    )
 
     def chosen(self) -> Candidate:
         return next(c for c in self.candidates if c.backend == self.backend and c.drafter == self.drafter)
@@ -93,14 +99,25 @@ def decide(features: RequestFeatures, load: LoadSnapshot, profile: Profile, conf
     return Decision(
         backend=choice.backend,
         drafter=choice.drafter,
-        k=choice.k if choice.backend == "speculative" else None,
+        # Chosen for speculation's sake, k is the predicted best; as the last resort it adapts per step.
+        k=choice.k if stage == "speculation" else None,
         stage=stage,
         concurrency=b,
         bottleneck=bottleneck,
         elasticity=eps,
         reasons=reasons,
         candidates=candidates,
+        break_even=_break_even(costs, specs, config, b),
     )
+
+
+def _break_even(costs: ProfileCosts, specs: list[Candidate], config: PolicyConfig, b: int) -> dict[str, int | None]:
+    k_range, b_max = _k_range(costs, config), max(config.batching.max_batch, b)
+    return {
+        c.drafter: speculation_break_even(costs, costs.profile.drafter(c.drafter), c, k_range, b_max)
+        for c in specs
+        if c.drafter is not None
+    }
 
 
 def _bottleneck(costs: ProfileCosts, b: int, config: PolicyConfig, reasons: list[str]) -> tuple[str, float]:
@@ -123,7 +140,7 @@ def _speculative_candidates(
     spec = config.speculation
     if not spec.enabled:
         return []
-    k_max = min(spec.k_max, costs.target.max_width - 1)
+    k_range = _k_range(costs, config, reasons)
     out = []
     for kind in spec.drafters:
         try:
@@ -133,14 +150,30 @@ def _speculative_candidates(
             continue
         alpha = _alpha_for(features, kind, drafter.name, costs.profile)
         if alpha is None:
-            reasons.append(f"speculation: no α estimate for {drafter.name} (give a prompt or a profiled category)")
+            reasons.append(
+                f"speculation: no α estimate for {drafter.name}: no prediction for this prompt and no profiled "
+                "category given"
+            )
             continue
         rho = alpha.proposal_rate
         if rho is None:
             rho = costs.profile.proposal_rate(drafter.name, features.category if _profiled(features, costs) else None)
         args = (costs, drafter, alpha.alpha, alpha.source, rho, b, features.prompt_tokens, features.max_tokens)
-        out.append(speculative_candidate(*args, k_range=(min(spec.k_min, k_max), k_max)))
+        out.append(speculative_candidate(*args, k_range=k_range))
     return out
+
+
+def _k_range(costs: ProfileCosts, config: PolicyConfig, reasons: list[str] | None = None) -> tuple[int, int]:
+    """The policy's k range within what the profile measured (a (k+1)-token pass needs its time)."""
+    spec, widest = config.speculation, costs.target.max_width - 1
+    k_max = min(spec.k_max, widest)
+    k_min = min(spec.k_min, k_max)
+    if (k_min, k_max) != (spec.k_min, spec.k_max) and reasons is not None:
+        reasons.append(
+            f"speculation: k limited to {k_min}..{k_max} (policy {spec.k_min}..{spec.k_max}): the profile measured "
+            f"passes of up to {widest + 1} tokens"
+        )
+    return k_min, k_max
 
 
 def _profiled(features: RequestFeatures, costs: ProfileCosts) -> bool:
@@ -157,7 +190,11 @@ def _alpha_for(features: RequestFeatures, kind: str, name: str, profile: Profile
         measured = profile.acceptance_for(features.category, name)
     except ProfileError:
         return None
-    return AlphaInput(alpha=measured.alpha, source=f"profiled mean of category {features.category!r}")
+    return AlphaInput(
+        alpha=measured.alpha,
+        source=f"profiled mean of category {features.category!r}",
+        proposal_rate=measured.proposal_rate,
+    )
 
 
 def _speculation_stage(

@@ -94,6 +94,8 @@ class DrafterProfile(_Frozen):
     kind: Literal["ngram", "model", "early-exit"]
     batches: list[int] = Field(min_length=1)
     step_seconds: list[float] = Field(min_length=1, description="one draft step (one token per sequence)")
+    probed_seconds: list[float] | None = Field(None, description="a bare forward pass of the draft model, by batch")
+    calibration: float = Field(1.0, gt=0, description="step_seconds over probed_seconds: the in-run overhead")
 
     @model_validator(mode="after")
     def _shape(self) -> DrafterProfile:
@@ -113,26 +115,30 @@ class DrafterProfile(_Frozen):
 class AcceptanceProfile(_Frozen):
     """Acceptance of one drafter on one prompt category, measured at a fixed k (greedy decoding).
 
-    `alpha` is the per-token acceptance the cost model's E(α, k) assumes: accepted tokens over
-    tokens *judged* (accepted + the first rejected or missing one), so a drafter that has nothing
-    to propose counts as rejected, exactly as it costs. `acceptance_rate` is vLLM's
-    accepted / drafted, reported alongside.
+    The cost model's two numbers: `proposal_rate` ρ, the share of steps in which the drafter had
+    anything to propose (prompt lookup needs a match; a draft model always proposes), and `alpha`,
+    the per-token acceptance on those steps: accepted tokens over tokens *judged* (accepted + the
+    first rejected or missing one). `acceptance_rate` is vLLM's accepted / drafted, alongside.
     """
 
     category: str
     drafter: str
     k: int = Field(ge=1, description="tokens requested per step while measuring")
     prompts: int = Field(ge=1)
-    steps: int = Field(ge=0, description="speculative steps (steps that asked the drafter for tokens)")
+    steps: int = Field(ge=0, description="sequence-steps that asked the drafter for tokens")
+    drafts: int = Field(ge=0, description="of those, steps in which the drafter proposed")
     draft_tokens: int = Field(ge=0)
     accepted_tokens: int = Field(ge=0)
     judged_tokens: int = Field(ge=0)
     alpha: float = Field(ge=0, le=1)
     acceptance_rate: float = Field(ge=0, le=1)
     proposal_rate: float = Field(1.0, ge=0, le=1, description="share of steps in which the drafter proposed")
-    accepted_per_position: list[float] = Field(description="[j]: share of steps whose token j+1 was accepted")
-    mean_accepted_length: float = Field(ge=1, description="tokens emitted per speculative step")
-    gamma: float = Field(ge=0, description="drafting time per step over one target step, in the run")
+    accepted_per_position: list[float] = Field(
+        description="[j]: share of the steps asking for drafts whose token j+1 was accepted"
+    )
+    mean_accepted_length: float = Field(ge=1, description="tokens emitted per step with a proposal (vLLM's)")
+    tokens_per_step: float = Field(ge=1, description="tokens emitted per step asking for drafts, proposal or not")
+    gamma: float = Field(ge=0, description="drafting time per step with a proposal over one target step")
 
 
 class AcceptanceSample(_Frozen):
@@ -146,13 +152,17 @@ class AcceptanceSample(_Frozen):
     prompt_tokens: int = Field(ge=1)
     judged_tokens: int = Field(ge=0)
     accepted_tokens: int = Field(ge=0)
-    alpha: float = Field(ge=0, le=1)
+    alpha: float = Field(ge=0, le=1, description="accepted / judged on steps with a proposal")
+    requested_steps: int = Field(0, ge=0, description="steps that asked the drafter for tokens")
+    drafts: int = Field(0, ge=0, description="steps in which the drafter proposed")
+    proposal_rate: float = Field(1.0, ge=0, le=1, description="drafts / requested_steps")
 
 
 class PredictorScore(_Frozen):
     """Cross-validated error of the α predictor for one drafter (prompts held out, k-fold)."""
 
     drafter: str
+    target: Literal["alpha", "proposal_rate"] = Field("alpha", description="what is predicted")
     folds: int
     samples: int
     mae_with_category: float = Field(description="mean absolute error of α when the caller names the category")
@@ -193,6 +203,15 @@ class Profile(_Frozen):
     predictor: list[PredictorScore] = Field(default_factory=list)
     quantized: QuantizedProfile | None = None
 
+    @model_validator(mode="after")
+    def _usable_target(self) -> Profile:
+        # The cost model reads v(b, k) from widths 1..k+1 and the decode-scaling fit needs two batches.
+        if self.target.widths != list(range(1, self.target.max_width + 1)):
+            raise ValueError(f"target widths must be 1..n without gaps (got {self.target.widths})")
+        if len(self.target.batches) < 2:
+            raise ValueError("the target curve needs two or more batch sizes")
+        return self
+
     def drafter(self, name: str) -> DrafterProfile:
         for d in self.drafters:
             if d.name == name or d.kind == name:
@@ -232,6 +251,8 @@ class Profile(_Frozen):
             raise ProfileError(f"no profile at {path}: measure one with `specroute profile`")
         try:
             return cls.model_validate_json(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ProfileError(f"cannot read the profile {path}: {exc}") from None
         except ValidationError as exc:
             if any(e["loc"] == ("version",) for e in exc.errors()):
                 raise ProfileError(

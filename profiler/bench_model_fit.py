@@ -6,7 +6,12 @@ and the measured decode speedup is set against the cost model's prediction E(α,
 with c and v from the profile. Two predictions are shown: from the α measured in that very run
 (the cost model's own error) and from the profile's α for the category (what the router would have
 predicted before running). Every row generates exactly max_tokens tokens (EOS ignored), so a batch
-keeps its size and prefill is left out of the timing: both engines share it.
+keeps its size and prefill is left out of the timing: both engines share it. Each engine first runs
+once untimed at every batch size (kernel set-up for new shapes is not decoding).
+
+A batch larger than the category's prompts repeats them; greedy copies of a prompt propose in the
+very same steps, so the chance that some row drafts (which widens the shared pass) is computed over
+the distinct prompts of the batch.
 """
 
 from __future__ import annotations
@@ -47,16 +52,23 @@ class ModelFitConfig(BaseModel):
     ks: list[int] = Field(default_factory=lambda: [1, 2, 4, 8], min_length=1)
     batches: list[int] = Field(default_factory=lambda: [1, 2, 4, 8, 16], min_length=1)
     max_tokens: int = Field(40, ge=4, le=1024)
-    prompts_per_category: int = Field(2, ge=1)
+    prompts_per_category: int = Field(4, ge=1)
 
     _known_categories = field_validator("categories")(check_categories)
+
+    @field_validator("ks", "batches")
+    @classmethod
+    def _increasing(cls, values: list[int]) -> list[int]:
+        if values != sorted(set(values)) or values[0] < 1:
+            raise ValueError(f"must be positive and strictly increasing (got {values})")
+        return values
 
 
 class FitPoint(BaseModel):
     category: str
     batch: int
     k: int
-    alpha: float = Field(description="α measured in this run (accepted / judged)")
+    alpha: float = Field(description="α measured in this run (accepted / judged on steps with a proposal)")
     proposal_rate: float = Field(description="ρ measured in this run: steps in which the drafter proposed")
     alpha_profile: float
     proposal_rate_profile: float
@@ -66,6 +78,9 @@ class FitPoint(BaseModel):
     predicted: float = Field(description="cost model with this run's α and the profile's c, v")
     predicted_profile: float = Field(description="cost model with the profile's α for the category")
     identical: bool = Field(description="greedy tokens equal the plain engine's on every row")
+    tokens: int = Field(description="decoded tokens after the first, per engine (the same for both)")
+    plain_seconds: float
+    spec_seconds: float
 
     @property
     def error(self) -> float:
@@ -100,22 +115,28 @@ def run_model_fit(config: ModelFitConfig, progress: bool = True) -> ModelFitRepo
     if max(config.ks) + 1 > costs.max_width:
         raise ProfileError(f"the profile measured passes up to {costs.max_width} tokens: k ≤ {costs.max_width - 1}")
     drafter = build_drafter(config.drafter_options.model_copy(update={"kind": config.drafter}), loaded)
+    prompt_set = load_prompt_set()
+    categories = config.categories or list(prompt_set.categories)
+    for category in categories:  # every prediction input must exist before anything is timed
+        profile.acceptance_for(category, drafter.name)
     engines: dict[str, Callable[[list[GenerationRequest]], list[GenerationResult]]] = {
         PLAIN: PlainEngine(loaded).generate
     }
     for k in config.ks:
         engines[f"k={k}"] = SpeculativeEngine(loaded, drafter.fresh(), k=k, costs=costs).generate
-    prompt_set = load_prompt_set()
-    categories = config.categories or list(prompt_set.categories)
     grid = [(c, b) for c in categories for b in config.batches]
-    points = []
+    points, order = [], _Rotation(list(engines))
+    warmed: set[int] = set()
     for category, batch in tqdm(grid, desc="model fit", unit="cell", disable=not progress):
         prompts = prompt_set.categories[category].prompts[: config.prompts_per_category]
         requests = [
             GenerationRequest(messages=p.messages, max_tokens=config.max_tokens, ignore_eos=True) for p in prompts
         ]
-        measured = _measure_cell(engines, requests, batch)
-        points += _fit_points(category, batch, config, measured, profile, drafter.name)
+        if batch not in warmed:
+            _warm_up(engines, requests, batch)
+            warmed.add(batch)
+        measured = _measure_cell(engines, requests, batch, order)
+        points += _fit_points(category, batch, min(batch, len(prompts)), config, measured, profile, drafter.name)
     return _report(config, loaded.info.as_dict(), profile, points)
 
 
@@ -126,20 +147,45 @@ class _Cell(BaseModel):
     stats: list[SpeculationStats] = Field(default_factory=list)
 
 
+class _Rotation:
+    """Which engine goes first changes with every batch run, across the whole bench."""
+
+    def __init__(self, names: list[str]):
+        self.names, self.turn = names, 0
+
+    def next(self) -> list[str]:
+        shift = self.turn % len(self.names)
+        self.turn += 1
+        return self.names[shift:] + self.names[:shift]
+
+
+def _warm_up(
+    engines: dict[str, Callable[[list[GenerationRequest]], list[GenerationResult]]],
+    requests: list[GenerationRequest],
+    batch: int,
+) -> None:
+    short = [r.model_copy(update={"max_tokens": 4}) for r in _cycle(requests, batch)]
+    for run in engines.values():
+        run(short)
+
+
+def _cycle(requests: list[GenerationRequest], rows: int) -> list[GenerationRequest]:
+    return [requests[i % len(requests)] for i in range(rows)]
+
+
 def _measure_cell(
     engines: dict[str, Callable[[list[GenerationRequest]], list[GenerationResult]]],
     requests: list[GenerationRequest],
     batch: int,
+    order: _Rotation,
 ) -> dict[str, _Cell]:
     """Rows cycle the prompts up to a whole number of batches; each batch runs every engine back to
     back, rotating the order so drift on a noisy machine hits all of them alike."""
-    rows = batch * math.ceil(len(requests) / batch)
-    cycled = [requests[i % len(requests)] for i in range(rows)]
+    cycled = _cycle(requests, batch * math.ceil(len(requests) / batch))
     cells = {name: _Cell() for name in engines}
-    names = list(engines)
-    for n, start in enumerate(range(0, rows, batch)):
+    for start in range(0, len(cycled), batch):
         chunk = cycled[start : start + batch]
-        for name in names[n % len(names) :] + names[: n % len(names)]:
+        for name in order.next():
             results = engines[name](chunk)
             cell = cells[name]
             cell.tokens += sum(r.completion_tokens - 1 for r in results)
@@ -156,7 +202,13 @@ def _decode_seconds(results: list[GenerationResult]) -> float:
 
 
 def _fit_points(
-    category: str, batch: int, config: ModelFitConfig, cells: dict[str, _Cell], profile: Profile, drafter: str
+    category: str,
+    batch: int,
+    distinct: int,
+    config: ModelFitConfig,
+    cells: dict[str, _Cell],
+    profile: Profile,
+    drafter: str,
 ) -> list[FitPoint]:
     costs = ProfileCosts(profile)
     d = profile.drafter(drafter)
@@ -183,9 +235,12 @@ def _fit_points(
                 plain_tokens_per_s=plain_rate,
                 spec_tokens_per_s=rate,
                 measured=rate / plain_rate,
-                predicted=speedup(alpha, k, c, verify[k], rho, batch),
-                predicted_profile=speedup(alpha_profile, k, c, verify[k], rho_profile, batch),
+                predicted=speedup(alpha, k, c, verify[k], rho, distinct),
+                predicted_profile=speedup(alpha_profile, k, c, verify[k], rho_profile, distinct),
                 identical=cell.outputs == plain.outputs,
+                tokens=cell.tokens,
+                plain_seconds=plain.seconds,
+                spec_seconds=cell.seconds,
             )
         )
     return points

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
@@ -36,6 +37,21 @@ from sklearn.preprocessing import StandardScaler
 
 from policies.profile import AcceptanceSample, PredictorScore, Profile, ProfileError
 from profiler.features import prompt_features
+
+Target = Literal["alpha", "proposal_rate"]
+
+
+def as_target(samples: Sequence[AcceptanceSample], target: Target) -> list[AcceptanceSample]:
+    """The same machinery predicts a drafter's proposal rate ρ per prompt: each sample is read with
+    ρ in place of α and its asking steps as the evidence (drafts of requested steps instead of
+    accepted of judged tokens)."""
+    if target == "alpha":
+        return list(samples)
+    return [
+        s.model_copy(update={"alpha": s.proposal_rate, "judged_tokens": s.requested_steps, "accepted_tokens": s.drafts})
+        for s in samples
+    ]
+
 
 DRAFTER_KINDS = ("ngram", "model", "early-exit")
 ANY_CATEGORY = "*"
@@ -135,7 +151,13 @@ class AlphaPredictor:
 
     @classmethod
     def fit(
-        cls, samples: Sequence[AcceptanceSample], seed: int = 0, *, decay: float = 0.98, prior_weight: float = 64.0
+        cls,
+        samples: Sequence[AcceptanceSample],
+        seed: int = 0,
+        *,
+        decay: float = 0.98,
+        prior_weight: float = 64.0,
+        target: Target = "alpha",
     ) -> AlphaPredictor:
         """Fit both regressors of every drafter present in `samples`.
 
@@ -144,21 +166,23 @@ class AlphaPredictor:
         randomised model). Raises ProfileError when no sample has judged tokens.
         """
         del seed
-        data = _Data.build(samples)
+        data = _Data.build(as_target(samples, target))
         if not data.drafters:
             raise ProfileError("no acceptance samples with judged tokens to fit the α predictor on")
         models = {name: _fit_drafter(name, data.rows(name)) for name in data.drafters}
         return cls(models, decay=decay, prior_weight=prior_weight)
 
     @classmethod
-    def from_profile(cls, profile: Profile, *, decay: float = 0.98, prior_weight: float = 64.0) -> AlphaPredictor:
+    def from_profile(
+        cls, profile: Profile, *, decay: float = 0.98, prior_weight: float = 64.0, target: Target = "alpha"
+    ) -> AlphaPredictor:
         """Refit from the samples a profile persists (readable JSON, no pickle; fitting takes ms)."""
         if not profile.samples:
             raise ProfileError(
                 "the profile has no acceptance samples to fit the α predictor on: "
                 "measure one with `specroute profile` including acceptance"
             )
-        return cls.fit(profile.samples, decay=decay, prior_weight=prior_weight)
+        return cls.fit(profile.samples, decay=decay, prior_weight=prior_weight, target=target)
 
     @property
     def drafters(self) -> list[str]:
@@ -222,7 +246,9 @@ class AlphaPredictor:
         raise UnknownDrafterError(f"the α predictor has no drafter {drafter!r} (fitted: {self.drafters})")
 
 
-def cross_validate(samples: Sequence[AcceptanceSample], folds: int = 5, seed: int = 0) -> list[PredictorScore]:
+def cross_validate(
+    samples: Sequence[AcceptanceSample], folds: int = 5, seed: int = 0, target: Target = "alpha"
+) -> list[PredictorScore]:
     """Held-out error of the predictor, per drafter, by shuffled k-fold over prompts.
 
     Folds split prompt ids, so repeated measurements of one prompt never sit on both sides. The
@@ -232,7 +258,7 @@ def cross_validate(samples: Sequence[AcceptanceSample], folds: int = 5, seed: in
     """
     if folds < 2:
         raise ValueError(f"cross-validation needs at least 2 folds, got {folds}")
-    data = _Data.build(samples)
+    data = _Data.build(as_target(samples, target))
     scores = []
     for name in data.drafters:
         rows = data.rows(name)
@@ -244,6 +270,7 @@ def cross_validate(samples: Sequence[AcceptanceSample], folds: int = 5, seed: in
         scores.append(
             PredictorScore(
                 drafter=name,
+                target=target,
                 folds=n_folds,
                 samples=len(rows.alpha),
                 mae_with_category=float(np.mean(errors[0])),

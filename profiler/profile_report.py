@@ -84,32 +84,44 @@ def _drafters(profile: Profile) -> list[str]:
     lines.append(f"  {'drafter':40}" + "".join(f"{b:>7}" for b in batches))
     for d in profile.drafters:
         lines.append(f"  {d.name:40}" + "".join(f"{costs.draft_cost(d, b):7.3f}" for b in batches))
+    calibrated = [d for d in profile.drafters if d.probed_seconds is not None]
+    lines += [
+        f"  ({d.name}: drafting in the acceptance runs cost {d.calibration:.2f}× a bare forward pass of the draft "
+        "model; the curve above includes that)"
+        for d in calibrated
+    ]
     return lines
 
 
 def _acceptance(profile: Profile) -> list[str]:
     lines = [
-        "acceptance (greedy, fixed k; α = accepted / judged, the cost model's; rate = accepted / drafted; "
-        "ρ = steps with a proposal; by position = share of steps accepting token j):"
+        "acceptance (greedy, fixed k). ρ: share of steps with a proposal; α: accepted / judged tokens on those "
+        "steps (the cost model's); rate: accepted / drafted (vLLM's); tok/step: tokens per step, proposal or not; "
+        "acc.len: per step with a proposal; by position: share of steps accepting token j:"
     ]
     lines.append(
-        f"  {'category':14} {'drafter':40} {'k':>2} {'α':>5} {'rate':>5} {'ρ':>5} {'acc.len':>7} {'γ':>6}  by position"
+        f"  {'category':14} {'drafter':40} {'k':>2} {'ρ':>5} {'α':>5} {'rate':>5} {'tok/step':>8} {'acc.len':>7} "
+        f"{'γ':>6}  by position"
     )
     for a in profile.acceptance:
         positions = " ".join(f"{p:.2f}" for p in a.accepted_per_position[:8])
         lines.append(
-            f"  {a.category:14} {a.drafter:40} {a.k:>2} {a.alpha:5.2f} {a.acceptance_rate:5.2f} {a.proposal_rate:5.2f} "
-            f"{a.mean_accepted_length:7.2f} {a.gamma:6.3f}  {positions}"
+            f"  {a.category:14} {a.drafter:40} {a.k:>2} {a.proposal_rate:5.2f} {a.alpha:5.2f} {a.acceptance_rate:5.2f} "
+            f"{a.tokens_per_step:8.2f} {a.mean_accepted_length:7.2f} {a.gamma:6.3f}  {positions}"
         )
     return lines
 
 
 def _predictor(profile: Profile) -> list[str]:
-    lines = ["α predictor, cross-validated on held-out prompts (mean absolute error of α):"]
-    lines.append(f"  {'drafter':40} {'prompts':>7} {'folds':>5} {'+category':>9} {'text only':>9} {'constant':>9}")
+    lines = ["α and ρ predictors, cross-validated on held-out prompts (mean absolute error):"]
+    lines.append(
+        f"  {'drafter':40} {'predicts':>8} {'prompts':>7} {'folds':>5} {'+category':>9} {'text only':>9} "
+        f"{'constant':>9}"
+    )
     for s in profile.predictor:
         lines.append(
-            f"  {s.drafter:40} {s.samples:>7} {s.folds:>5} {s.mae_with_category:9.3f} "
+            f"  {s.drafter:40} {'α' if s.target == 'alpha' else 'ρ':>8} {s.samples:>7} {s.folds:>5} "
+            f"{s.mae_with_category:9.3f} "
             f"{s.mae_text_only:9.3f} {s.mae_constant:9.3f}"
         )
     return lines

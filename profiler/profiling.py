@@ -12,6 +12,7 @@ from datetime import UTC, datetime
 from importlib.metadata import version
 from pathlib import Path
 
+import numpy as np
 import torch
 from pydantic import BaseModel, Field, field_validator, model_validator
 from tqdm import tqdm
@@ -85,10 +86,10 @@ def run_profile(config: ProfileConfig, progress: bool = True) -> Profile:
     drafters, acceptance, samples = [], [], []
     for kind in config.drafters:
         drafter = build_drafter(config.drafter.model_copy(update={"kind": kind}), loaded)
-        measured, prompt_samples, run_step_s = measure_acceptance(loaded, drafter, costs, config, progress)
+        measured, prompt_samples, in_run = measure_acceptance(loaded, drafter, costs, config, progress)
         acceptance += measured
         samples += prompt_samples
-        drafters.append(drafter_profile(loaded, drafter, kind, config.batches, run_step_s, progress))
+        drafters.append(drafter_profile(loaded, drafter, kind, config.batches, in_run, progress))
     return Profile(
         created=datetime.now(UTC),
         machine=machine_info().model_dump(),
@@ -100,7 +101,7 @@ def run_profile(config: ProfileConfig, progress: bool = True) -> Profile:
         drafters=drafters,
         acceptance=acceptance,
         samples=samples,
-        predictor=cross_validate(samples, folds=config.folds) if samples else [],
+        predictor=[s for t in ("alpha", "proposal_rate") for s in cross_validate(samples, config.folds, target=t)],
     )
 
 
@@ -145,9 +146,11 @@ def seeded_step_costs(loaded: LoadedModel, curve: CostCurve) -> StepCosts:
 
 def measure_acceptance(
     loaded: LoadedModel, drafter: Drafter, costs: StepCosts, config: ProfileConfig, progress: bool
-) -> tuple[list[AcceptanceProfile], list[AcceptanceSample], float]:
+) -> tuple[list[AcceptanceProfile], list[AcceptanceSample], dict[int, float]]:
     """Each category's prompts as one greedy batch at the fixed k (greedy tokens do not depend on the
-    batch); per category and per prompt acceptance, and the drafter's seconds per requested token."""
+    batch); per category and per prompt acceptance, and what one draft step (a token for every row)
+    cost in those runs by batch bucket, in steady state (the engine leaves out the drafter's
+    start-up and catch-up after plain steps)."""
     engine = SpeculativeEngine(loaded, drafter, k=config.acceptance_k, costs=costs)
     prompt_set = load_prompt_set()
     categories = config.categories or list(prompt_set.categories)
@@ -163,9 +166,11 @@ def measure_acceptance(
         samples += [
             _sample(p.id, category, drafter.name, q, r) for p, q, r in zip(prompts, requests, results, strict=True)
         ]
-    totals = engine.totals
-    per_token = totals.draft_time_s / max(totals.requested_steps, 1) / config.acceptance_k
-    return measured, samples, per_token
+    in_run = dict(sorted(engine.draft_costs.step_s.items()))
+    if not in_run:  # runs too short to draft twice in a row: every draft call, start-up included
+        totals = engine.totals
+        in_run = {1: totals.draft_time_s / max(1, sum(k for k in totals.k_history if k > 0))}
+    return measured, samples, in_run
 
 
 def acceptance_profile(category: str, k: int, prompts: int, stats: SpeculationStats) -> AcceptanceProfile:
@@ -182,9 +187,11 @@ def acceptance_profile(category: str, k: int, prompts: int, stats: SpeculationSt
         alpha=stats.alpha,
         acceptance_rate=stats.acceptance_rate,
         proposal_rate=stats.proposal_rate,
+        drafts=stats.drafts,
         accepted_per_position=[n / steps for n in stats.accepted_per_position] if steps else [],
-        mean_accepted_length=1.0 + stats.accepted_tokens / steps if steps else 1.0,
-        gamma=stats.draft_time_s / steps / stats.target_step_s if steps and stats.target_step_s else 0.0,
+        mean_accepted_length=stats.mean_accepted_length,
+        tokens_per_step=stats.tokens_per_step,
+        gamma=stats.gamma,
     )
 
 
@@ -204,22 +211,36 @@ def _sample(
         judged_tokens=stats.judged_tokens,
         accepted_tokens=stats.accepted_tokens,
         alpha=stats.alpha,
+        requested_steps=stats.requested_steps,
+        drafts=stats.drafts,
+        proposal_rate=stats.proposal_rate,
     )
 
 
 def drafter_profile(
-    loaded: LoadedModel, drafter: Drafter, kind: DrafterKind, batches: Sequence[int], run_step_s: float, progress: bool
+    loaded: LoadedModel,
+    drafter: Drafter,
+    kind: DrafterKind,
+    batches: Sequence[int],
+    in_run: dict[int, float],
+    progress: bool,
 ) -> DrafterProfile:
-    """A model drafter's step is one forward pass of its model: measured per batch like the target.
-    Prompt lookup costs no model pass: its time per requested token in the acceptance runs is kept."""
-    if isinstance(drafter, ModelDrafter):
-        pad_id = loaded.tokenizer.pad_token_id
-        seconds = [
-            measure_step_times(drafter.model, pad_id, b, [1])[1]
-            for b in tqdm(batches, desc=f"draft step {drafter.name}", unit="batch", disable=not progress)
-        ]
-        return DrafterProfile(name=drafter.name, kind=kind, batches=list(batches), step_seconds=seconds)
-    return DrafterProfile(name=drafter.name, kind=kind, batches=[1], step_seconds=[run_step_s])
+    """A model drafter's step is one forward pass of its model: probed at every batch like the
+    target, then scaled by how much more drafting really cost in the acceptance runs at the batch
+    buckets they went through (the median ratio: catch-up passes, sampling and bookkeeping the
+    probe does not see). Prompt lookup runs no model: its in-run cost per bucket is kept as is."""
+    if not isinstance(drafter, ModelDrafter):
+        return DrafterProfile(name=drafter.name, kind=kind, batches=list(in_run), step_seconds=list(in_run.values()))
+    pad_id = loaded.tokenizer.pad_token_id
+    probed = [
+        measure_step_times(drafter.model, pad_id, b, [1])[1]
+        for b in tqdm(batches, desc=f"draft step {drafter.name}", unit="batch", disable=not progress)
+    ]
+    probe = DrafterProfile(name=drafter.name, kind=kind, batches=list(batches), step_seconds=probed)
+    calibration = float(np.median([s / probe.step_at(b) for b, s in in_run.items()]))
+    return probe.model_copy(
+        update={"step_seconds": [s * calibration for s in probed], "probed_seconds": probed, "calibration": calibration}
+    )
 
 
 def _model_summary(loaded: LoadedModel) -> ModelSummary:

@@ -4,6 +4,8 @@ and the service's `/v1/advise` both go through here."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from pydantic import BaseModel, Field
 from transformers import PreTrainedTokenizerBase
 
@@ -15,6 +17,22 @@ from policies.profile import Profile, ProfileError
 from profiler.predictor import AlphaPredictor
 
 
+@dataclass
+class Predictors:
+    """Per-prompt predictions of a drafter's α and of its proposal rate ρ, refitted from the profile."""
+
+    alpha: AlphaPredictor
+    proposal_rate: AlphaPredictor | None  # None: the profile's per-category ρ is used
+
+    @classmethod
+    def from_profile(cls, profile: Profile) -> Predictors:
+        try:
+            rho = AlphaPredictor.from_profile(profile, target="proposal_rate")
+        except ProfileError:
+            rho = None
+        return cls(AlphaPredictor.from_profile(profile, target="alpha"), rho)
+
+
 class Advice(BaseModel):
     """What `advise --json` prints: the decision at the top level, plus what it was computed from."""
 
@@ -24,6 +42,8 @@ class Advice(BaseModel):
     stage: str
     reasons: list[str]
     candidates: list[dict[str, object]]
+    break_even: dict[str, int | None]
+    max_batch: int = Field(description="the policy's batching.max_batch: how far break-even was searched")
     concurrency: int
     bottleneck: str
     elasticity: float
@@ -35,7 +55,7 @@ def request_features(
     request: GenerationRequest | None,
     category: str | None,
     profile: Profile,
-    predictor: AlphaPredictor | None,
+    predictors: Predictors | None,
     tokenizer: PreTrainedTokenizerBase | None,
     max_tokens: int,
 ) -> RequestFeatures:
@@ -54,20 +74,23 @@ def request_features(
     tokens = len(prompt_ids(tokenizer, request))
     text, turns = request.text_and_turns()
     alphas = {}
-    if predictor is not None:
-        for name in predictor.drafters:
-            estimate = predictor.predict(text, turns, tokens, name, category)
-            alphas[name] = AlphaInput(alpha=estimate.alpha, source=estimate.source)
+    if predictors is not None:
+        for name in predictors.alpha.drafters:
+            alpha = predictors.alpha.predict(text, turns, tokens, name, category)
+            rho = None
+            if predictors.proposal_rate is not None:
+                rho = predictors.proposal_rate.predict(text, turns, tokens, name, category).alpha
+            alphas[name] = AlphaInput(alpha=alpha.alpha, source=alpha.source, proposal_rate=rho)
     return RequestFeatures(prompt_tokens=tokens, max_tokens=max_tokens, category=category, alphas=alphas)
 
 
 def advise(features: RequestFeatures, concurrency: int, profile: Profile, config: PolicyConfig) -> Advice:
     # Everything else in flight counts toward the load: every backend shares this machine.
     load = LoadSnapshot(in_flight={"other": concurrency - 1})
-    return to_advice(decide(features, load, profile, config), features, profile)
+    return to_advice(decide(features, load, profile, config), features, profile, config)
 
 
-def to_advice(decision: Decision, features: RequestFeatures, profile: Profile) -> Advice:
+def to_advice(decision: Decision, features: RequestFeatures, profile: Profile, config: PolicyConfig) -> Advice:
     m = profile.model
     return Advice(
         backend=decision.backend,
@@ -76,6 +99,8 @@ def to_advice(decision: Decision, features: RequestFeatures, profile: Profile) -
         stage=decision.stage,
         reasons=decision.reasons,
         candidates=[c.model_dump() for c in decision.candidates],
+        break_even=decision.break_even,
+        max_batch=config.batching.max_batch,
         concurrency=decision.concurrency,
         bottleneck=decision.bottleneck,
         elasticity=decision.elasticity,
@@ -95,6 +120,7 @@ def render_advice(advice: Advice) -> str:
         "why:",
         *[f"  {i}. {reason}" for i, reason in enumerate(advice.reasons, 1)],
         "",
+        "candidates (predicted at this concurrency; speedup over plain decoding):",
         f"  {'backend':12} {'drafter':36} {'α̂':>5} {'ρ':>4} {'k':>2} {'E':>5} {'c':>6} {'v(b,k)':>6} "
         f"{'speedup':>7} {'TPOT ms':>8} {'latency ms':>10} {'tok/s':>7}  SLO",
     ]
@@ -106,6 +132,10 @@ def render_advice(advice: Advice) -> str:
             f"{c['c']:6.3f} {c['v']:6.2f} {c['speedup']:6.2f}× {c['tpot_ms']:8.1f} {c['latency_ms']:10.0f} "
             f"{c['tokens_per_s']:7.1f}  {'met' if c['meets_slo'] else 'missed'}"
         )
+    top = max(advice.concurrency, advice.max_batch)
+    for drafter, b in advice.break_even.items():
+        where = f"from concurrency {b}" if b is not None else f"at any concurrency up to {top}"
+        lines.append(f"  speculation with {drafter} on this request stops beating plain decoding {where}")
     lines += ["", f"profile: {advice.profile}"]
     return "\n".join(lines)
 

@@ -316,13 +316,13 @@ def run_profile(args: argparse.Namespace) -> int:
 
 
 def run_advise(args: argparse.Namespace) -> int:
+    from backends.embedded import EMBEDDED_NAME
     from backends.generation import GenerationRequest
-    from backends.models import load_tokenizer
+    from backends.models import load_tokenizer, resolve_source
     from policies.config import default_policy, load_policy
     from policies.profile import Profile
-    from profiler.predictor import AlphaPredictor
     from profiler.profiling import default_profile_path
-    from router.advise import advise, render_advice, request_features
+    from router.advise import Predictors, advise, render_advice, request_features
 
     if args.concurrency < 1:
         raise UsageError(f"--concurrency counts this request too: at least 1 (got {args.concurrency})")
@@ -331,14 +331,21 @@ def run_advise(args: argparse.Namespace) -> int:
     path = Path(args.profile) if args.profile else default_profile_path(args.model, args.dtype, args.device)
     profile = Profile.load(path)
     config = load_policy(args.policy) if args.policy else default_policy()
-    request, tokenizer, predictor = None, None, None
+    request, tokenizer, predictors = None, None, None
     if args.prompt is not None or args.messages is not None:
         request = GenerationRequest(**_prompt_fields(args), max_tokens=args.max_tokens)
+        kind, location = resolve_source(args.model)
+        model_name = EMBEDDED_NAME if kind == "embedded" else location
+        if profile.model.name != model_name:
+            raise UsageError(
+                f"{path} profiles {profile.model.name}, not {model_name}: pass --model for the profiled model "
+                "(its tokenizer counts the prompt)"
+            )
         tokenizer = load_tokenizer(args.model)
-        predictor = AlphaPredictor.from_profile(profile) if profile.samples else None
+        predictors = Predictors.from_profile(profile) if profile.samples else None
     elif args.category is None:
         raise UsageError("give a prompt (or --messages), a --category, or both")
-    features = request_features(request, args.category, profile, predictor, tokenizer, args.max_tokens)
+    features = request_features(request, args.category, profile, predictors, tokenizer, args.max_tokens)
     advice = advise(features, args.concurrency, profile, config)
     print(advice.model_dump_json(indent=2) if args.json else render_advice(advice))
     return 0

@@ -18,7 +18,9 @@ class SpeculationStats(BaseModel):
     accepted_per_position: list[int] = Field(default_factory=list, description="[j]: drafts whose token j was accepted")
     requested_steps: int = Field(0, description="sequence-steps that asked the drafter for at least one token")
     judged_tokens: int = Field(
-        0, description="accepted tokens + one per step that stopped short of its k (rejected, or nothing proposed)"
+        0,
+        description="on steps with a proposal: accepted tokens + one per step that stopped short of its k "
+        "(a rejection, or a proposal shorter than asked)",
     )
     draft_time_s: float = 0.0
     verify_time_s: float = Field(0.0, description="target passes that verified drafts")
@@ -33,8 +35,9 @@ class SpeculationStats(BaseModel):
     @computed_field
     @property
     def alpha(self) -> float:
-        """The cost model's per-token α: accepted / judged. A drafter that proposes fewer tokens than
-        asked counts the missing one as rejected (it cost the same), unlike `acceptance_rate`."""
+        """The cost model's per-token α on steps with a proposal: accepted / judged. A proposal shorter
+        than the k asked for counts its first missing token as rejected (the step ends there), unlike
+        `acceptance_rate`. Steps with no proposal at all are the proposal rate's business."""
         return self.accepted_tokens / self.judged_tokens if self.judged_tokens else 0.0
 
     @computed_field
@@ -42,6 +45,13 @@ class SpeculationStats(BaseModel):
     def proposal_rate(self) -> float:
         """Share of the steps that asked for drafts in which the drafter proposed at least one token."""
         return self.drafts / self.requested_steps if self.requested_steps else 0.0
+
+    @computed_field
+    @property
+    def tokens_per_step(self) -> float:
+        """Tokens emitted per step that asked for drafts, proposal or not: what the cost model's
+        1 + ρ·(E(α, k) − 1) predicts (mean accepted length counts only steps with a proposal)."""
+        return 1.0 + self.accepted_tokens / self.requested_steps if self.requested_steps else 1.0
 
     @computed_field
     @property
@@ -91,9 +101,10 @@ class SpeculationStats(BaseModel):
     ) -> None:
         """One target pass: the k used, and per sequence in the pass its drafted and accepted counts
         and the k it asked for (default: k for every sequence)."""
-        for asked, ok in zip(requested or [k] * len(drafted), accepted, strict=True):
+        for asked, count, ok in zip(requested or [k] * len(drafted), drafted, accepted, strict=True):
             if asked:
                 self.requested_steps += 1
+            if asked and count:
                 self.judged_tokens += ok + (1 if ok < asked else 0)
         self.steps += 1
         self.k_history.append(k)

@@ -20,7 +20,8 @@ FIXED = 0.070
 PER_TOKEN = 0.0025
 BATCHES = [1, 2, 4, 8, 16, 32, 64]
 WIDTHS = list(range(1, 10))
-ALPHAS = {"copy": 0.8, "prose": 0.1}
+ALPHAS = {"copy": 0.8, "prose": 0.1, "sparse": 0.9}
+PROPOSAL_RATES = {"copy": 1.0, "prose": 1.0, "sparse": 0.2}  # 'sparse': prompt lookup rarely finds a match
 
 
 def step(batch: float, width: int, fixed: float = FIXED, per_token: float = PER_TOKEN) -> float:
@@ -33,25 +34,31 @@ def curve(fixed: float = FIXED, per_token: float = PER_TOKEN) -> CostCurve:
     )
 
 
-def acceptance(category: str, drafter: str, alpha: float) -> AcceptanceProfile:
+def acceptance(category: str, drafter: str, alpha: float, proposal_rate: float = 1.0) -> AcceptanceProfile:
+    survival = [proposal_rate * alpha ** (j + 1) for j in range(8)]
     return AcceptanceProfile(
         category=category,
         drafter=drafter,
         k=8,
         prompts=4,
         steps=100,
+        drafts=round(100 * proposal_rate),
         draft_tokens=800,
         accepted_tokens=int(800 * alpha),
         judged_tokens=800,
         alpha=alpha,
         acceptance_rate=alpha,
-        accepted_per_position=[alpha ** (j + 1) for j in range(8)],
-        mean_accepted_length=1 + 8 * alpha,
+        proposal_rate=proposal_rate,
+        accepted_per_position=survival,
+        mean_accepted_length=1 + sum(survival) / max(proposal_rate, 1e-9),
+        tokens_per_step=1 + sum(survival),
         gamma=0.0,
     )
 
 
-def sample(prompt_id: str, category: str, drafter: str, text: str, alpha: float) -> AcceptanceSample:
+def sample(
+    prompt_id: str, category: str, drafter: str, text: str, alpha: float, proposal_rate: float = 1.0
+) -> AcceptanceSample:
     return AcceptanceSample(
         prompt_id=prompt_id,
         category=category,
@@ -62,6 +69,9 @@ def sample(prompt_id: str, category: str, drafter: str, text: str, alpha: float)
         judged_tokens=100,
         accepted_tokens=int(100 * alpha),
         alpha=alpha,
+        requested_steps=50,
+        drafts=round(50 * proposal_rate),
+        proposal_rate=round(50 * proposal_rate) / 50,
     )
 
 
@@ -74,16 +84,23 @@ def synthetic_profile(
     drafters = [
         DrafterProfile(name="ngram", kind="ngram", batches=[1], step_seconds=[1e-4]),
         DrafterProfile(
-            name="model:tiny@bfloat16",
+            name="model:draft@bfloat16",
             kind="model",
             batches=BATCHES,
             step_seconds=[step(b, 1, 0.4 * FIXED, 0.4 * PER_TOKEN) for b in BATCHES],
         ),
     ]
-    accept = [acceptance(c, "ngram", a) for c, a in ALPHAS.items()]
-    accept += [acceptance(c, "model:tiny@bfloat16", model_alpha) for c in ALPHAS]
+    accept = [acceptance(c, "ngram", a, PROPOSAL_RATES[c]) for c, a in ALPHAS.items()]
+    accept += [acceptance(c, "model:draft@bfloat16", model_alpha) for c in ALPHAS]
     samples = [
-        sample(f"{c}-{i}", c, d.name, f"{c} prompt {i}", a if d.kind == "ngram" else model_alpha)
+        sample(
+            f"{c}-{i}",
+            c,
+            d.name,
+            f"{c} prompt {i}",
+            a if d.kind == "ngram" else model_alpha,
+            PROPOSAL_RATES[c] if d.kind == "ngram" else 1.0,
+        )
         for c, a in ALPHAS.items()
         for d in drafters
         for i in range(6)
@@ -98,7 +115,9 @@ def synthetic_profile(
     return Profile(
         created=datetime(2026, 11, 30, tzinfo=UTC),
         machine={"cpu": "test CPU", "logical_cores": 2},
-        model=ModelSummary(name="tiny", dtype="float32", device="cpu", parameters=1, weight_bytes=4, threads=2),
+        model=ModelSummary(
+            name="SmolLM2-135M-Instruct", dtype="float32", device="cpu", parameters=1, weight_bytes=4, threads=2
+        ),
         libraries={"numpy": "test"},
         target=curve(),
         prefill=CostCurve(batches=[1], widths=[16, 256], seconds=[[0.1, 0.5]]),

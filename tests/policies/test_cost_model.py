@@ -3,7 +3,20 @@ import math
 import numpy as np
 import pytest
 
-from policies.cost_model import best_k, expected_tokens, speedup
+from policies.cost_model import (
+    best_k,
+    best_speculative_k,
+    break_even_concurrency,
+    effective_verify_costs,
+    elasticity,
+    expected_tokens,
+    knee,
+    per_token_seconds,
+    speedup,
+    step_cost,
+    step_model,
+    tokens_per_step,
+)
 
 
 @pytest.mark.parametrize("alpha", [0.0, 0.3, 0.7, 0.95])
@@ -49,15 +62,6 @@ def test_best_k_respects_k_max_and_prefers_the_smaller_k_on_ties():
 
 
 # ---- the additions the policy uses ----
-from policies.cost_model import (  # noqa: E402
-    best_speculative_k,
-    break_even_concurrency,
-    effective_verify_costs,
-    elasticity,
-    knee,
-    per_token_seconds,
-    step_model,
-)
 
 
 def test_best_speculative_k_stays_in_range_even_when_it_loses():
@@ -110,3 +114,34 @@ def test_break_even_matches_the_closed_form():
     b_star = alpha * f / (p * (1 - alpha))
     assert break_even_concurrency(gain, b_max=100) == math.floor(b_star) + 1
     assert break_even_concurrency(gain, b_max=30) is None
+
+
+def test_a_step_without_proposals_runs_a_plain_pass():
+    assert step_cost(4, 0.0, 1.5, proposal_rate=1.0) == pytest.approx(1.5)
+    assert step_cost(4, 0.0, 1.5, proposal_rate=0.0) == pytest.approx(1.0)
+    # One sequence of two proposing is enough to widen the shared pass: q = 1 − (1 − ρ)^b.
+    assert step_cost(4, 0.01, 1.5, proposal_rate=0.4, batch=2) == pytest.approx(0.04 + 0.64 * 1.5 + 0.36)
+    assert step_cost(0, 0.3, 1.0) == 1.0
+    assert speedup(0.5, 2, 0.0, 1.5, proposal_rate=0.5) == pytest.approx((1 + 0.5 * 0.75) / 1.25)
+
+
+def test_proposal_rate_matches_a_monte_carlo_of_a_batch():
+    rng = np.random.default_rng(3)
+    rho, batch, v = 0.3, 4, 2.0
+    proposes = rng.random((100_000, batch)) < rho
+    simulated = np.where(proposes.any(axis=1), v, 1.0).mean()
+    assert step_cost(3, 0.0, v, proposal_rate=rho, batch=batch) == pytest.approx(simulated, abs=0.01)
+
+
+def test_tokens_per_step_matches_a_monte_carlo_of_sparse_proposals():
+    """Only a share ρ of steps propose (prompt lookup without a match); those accept each token with
+    α. The mixture emits 1 + ρ·(E(α, k) − 1) per step at every k, not E(pooled α, k)."""
+    rng = np.random.default_rng(11)
+    rho, alpha, draws = 0.3, 0.9, 200_000
+    for k in (1, 2, 8):
+        proposes = rng.random(draws) < rho
+        accepted = np.cumprod(rng.random((draws, k)) < alpha, axis=1).sum(axis=1) * proposes
+        emitted = 1 + accepted
+        standard_error = emitted.std() / np.sqrt(draws)
+        assert abs(emitted.mean() - tokens_per_step(alpha, k, rho)) < 4 * standard_error
+    assert tokens_per_step(0.5, 3) == pytest.approx(expected_tokens(0.5, 3))

@@ -182,3 +182,24 @@ def test_policies_import_neither_torch_nor_ray():
         "sys.exit(bool({'torch', 'ray', 'transformers'} & set(sys.modules)))"
     )
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
+
+
+def test_break_even_per_drafter_is_reported_for_capacity_planning():
+    one = policy(speculation={"drafters": ["ngram"], "k_max": 1})
+    decision = decide(features("copy", ngram=0.5), load(1), synthetic_profile(), one)
+    # t = F + P·b·w, c ≈ 0, ρ = 1, k = 1: speedup falls below 1 just before b* = αF / (P(1 − α)) = 28.
+    assert decision.break_even["ngram"] in (27, 28, 29)
+    high = decide(features("copy", ngram=0.95), load(1), synthetic_profile(), one)
+    assert high.break_even["ngram"] is None or high.break_even["ngram"] > decision.break_even["ngram"]
+
+
+def test_rare_proposals_shrink_the_predicted_gain():
+    """'sparse': α 0.9 when prompt lookup matches, but it matches in 20 % of steps: E = 1 + 0.2·(E(0.9, k) − 1),
+    and steps without a match run a plain pass."""
+    decision = decide(features("sparse"), load(1), synthetic_profile(), policy())
+    spec = next(c for c in decision.candidates if c.backend == "speculative")
+    assert spec.proposal_rate == 0.2
+    assert spec.expected_tokens < 1 + 0.2 * 8
+    assert any("proposes in 20% of steps" in r for r in decision.reasons)
+    dense = decide(features("copy", ngram=0.9), load(1), synthetic_profile(), policy())
+    assert dense.chosen().speedup > spec.speedup

@@ -77,10 +77,12 @@ def test_missing_or_broken_profiles_say_so(tmp_path):
 
 def test_drafters_and_acceptance_are_found_by_kind_or_name():
     profile = synthetic_profile()
-    assert profile.drafter("model").name == "model:tiny@bfloat16"
-    assert profile.drafter("model:tiny@bfloat16").kind == "model"
+    assert profile.drafter("model").name == "model:draft@bfloat16"
+    assert profile.drafter("model:draft@bfloat16").kind == "model"
     assert profile.acceptance_for("copy", "ngram").alpha == 0.8
-    assert profile.categories == ["copy", "prose"]
+    assert profile.categories == ["copy", "prose", "sparse"]
+    assert profile.proposal_rate("ngram", "sparse") == 0.2
+    assert profile.proposal_rate("ngram") == pytest.approx((1 + 1 + 0.2) / 3)  # equal steps per category
     with pytest.raises(ProfileError, match="no drafter 'early-exit'"):
         profile.drafter("early-exit")
     with pytest.raises(ProfileError, match="no acceptance measured for category 'math'"):

@@ -50,7 +50,7 @@ def test_prompt_advice_predicts_alpha_and_prints_a_table(capsys, profile_path):
 @pytest.mark.parametrize(
     "args,message",
     [
-        (["--category", "poetry"], "category 'poetry' was not profiled (profiled: copy, prose)"),
+        (["--category", "poetry"], "category 'poetry' was not profiled (profiled: copy, prose, sparse)"),
         (["--concurrency", "0", "--category", "copy"], "--concurrency counts this request too"),
         ([], "give a prompt (or --messages), a --category, or both"),
     ],
@@ -67,3 +67,12 @@ def test_missing_profile_and_bad_policy_are_user_errors(capsys, tmp_path, profil
     policy.write_text("speculation:\n  k_max: 40\n")
     code, _, err = advise(capsys, "--category", "copy", "--profile", str(profile_path), "--policy", str(policy))
     assert code == 2 and "speculation.k_max" in err
+
+
+def test_a_profile_of_another_model_is_refused_for_prompt_advice(capsys, tmp_path):
+    profile = synthetic_profile()
+    other = profile.model_copy(update={"model": profile.model.model_copy(update={"name": "other-model"})})
+    path = tmp_path / "other.json"
+    other.save(path)
+    code, _, err = advise(capsys, "Hello", "--profile", str(path))
+    assert code == 2 and "profiles other-model, not SmolLM2-135M-Instruct" in err
