@@ -36,18 +36,22 @@ def tokens_per_step(alpha: float, k: int, proposal_rate: float = 1.0) -> float:
     return 1.0 + rho * (float(expected_tokens(alpha, k)) - 1.0)
 
 
-def step_cost(k: int, c: float, v: float, proposal_rate: float = 1.0, batch: int = 1) -> float:
+def step_cost(k: int, c: float, v: float, proposal_rate: float = 1.0, batch: int = 1, v_plain: float = 1.0) -> float:
     """A step's cost in plain 1-token passes: drafting k·c, then the (k+1)-token pass v when some
-    sequence of the batch drafted (probability 1 − (1 − ρ)^b), else a plain pass."""
+    sequence of the batch drafted (probability 1 − (1 − ρ)^b), else a pass with no drafts, which
+    costs v_plain = v(b, 0): the engine pads it to the cheapest width ≥ 1, which some matrix shapes
+    make cheaper than a 1-token pass."""
     if k == 0:
         return v
     wide = 1.0 - (1.0 - min(max(proposal_rate, 0.0), 1.0)) ** batch
-    return k * c + wide * v + (1.0 - wide)
+    return k * c + wide * v + (1.0 - wide) * v_plain
 
 
-def speedup(alpha: float, k: int, c: float, v: float, proposal_rate: float = 1.0, batch: int = 1) -> float:
+def speedup(
+    alpha: float, k: int, c: float, v: float, proposal_rate: float = 1.0, batch: int = 1, v_plain: float = 1.0
+) -> float:
     """Expected tokens per unit time relative to plain decoding; k = 0 is a plain step (1.0 when v = 1)."""
-    cost = step_cost(k, c, v, proposal_rate, batch)
+    cost = step_cost(k, c, v, proposal_rate, batch, v_plain)
     if cost <= 0:
         raise ValueError(f"step cost must be positive (k={k}, c={c}, v={v})")
     return tokens_per_step(alpha, k, proposal_rate) / cost
@@ -79,7 +83,8 @@ def best_speculative_k(
     k_max = len(verify_cost) - 1 if k_max is None else min(k_max, len(verify_cost) - 1)
     if not 1 <= k_min <= k_max:
         raise ValueError(f"need 1 <= k_min <= k_max (got k_min={k_min}, k_max={k_max})")
-    gains = [speedup(alpha, k, c, verify_cost[k], proposal_rate, batch) for k in range(k_min, k_max + 1)]
+    v_plain = verify_cost[0]
+    gains = [speedup(alpha, k, c, verify_cost[k], proposal_rate, batch, v_plain) for k in range(k_min, k_max + 1)]
     best = int(np.argmax(gains))
     return k_min + best, gains[best]
 
@@ -96,11 +101,18 @@ def effective_verify_costs(width_seconds: Sequence[float]) -> list[float]:
 
 
 def per_token_seconds(
-    step_s: float, alpha: float, k: int, c: float, v: float, proposal_rate: float = 1.0, batch: int = 1
+    step_s: float,
+    alpha: float,
+    k: int,
+    c: float,
+    v: float,
+    proposal_rate: float = 1.0,
+    batch: int = 1,
+    v_plain: float = 1.0,
 ) -> float:
     """Expected seconds per output token of one sequence: a step costs step_s·(k·c + v) (see
     `step_cost`) and emits 1 + ρ·(E(α, k) − 1) tokens (k = 0, v = 1: a plain step, one token)."""
-    return step_s * step_cost(k, c, v, proposal_rate, batch) / tokens_per_step(alpha, k, proposal_rate)
+    return step_s * step_cost(k, c, v, proposal_rate, batch, v_plain) / tokens_per_step(alpha, k, proposal_rate)
 
 
 def step_model(batches: Sequence[float], seconds: Sequence[float]) -> tuple[float, float]:

@@ -85,7 +85,7 @@ def speculative_candidate(
     verify = costs.verify_costs(batch)
     c = costs.draft_cost(drafter, batch)
     k, gain = best_speculative_k(alpha, c, verify, k_range[0], k_range[1], proposal_rate, batch)
-    token_s = per_token_seconds(costs.step_s(batch), alpha, k, c, verify[k], proposal_rate, batch)
+    token_s = per_token_seconds(costs.step_s(batch), alpha, k, c, verify[k], proposal_rate, batch, verify[0])
     return _candidate("speculative", costs.ttft_s(prompt_tokens), token_s, batch, max_tokens, speedup=gain).model_copy(
         update={
             "drafter": drafter.name,

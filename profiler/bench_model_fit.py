@@ -52,7 +52,7 @@ class ModelFitConfig(BaseModel):
     ks: list[int] = Field(default_factory=lambda: [1, 2, 4, 8], min_length=1)
     batches: list[int] = Field(default_factory=lambda: [1, 2, 4, 8, 16], min_length=1)
     max_tokens: int = Field(40, ge=4, le=1024)
-    prompts_per_category: int = Field(4, ge=1)
+    prompts_per_category: int = Field(2, ge=1)
 
     _known_categories = field_validator("categories")(check_categories)
 
@@ -235,8 +235,8 @@ def _fit_points(
                 plain_tokens_per_s=plain_rate,
                 spec_tokens_per_s=rate,
                 measured=rate / plain_rate,
-                predicted=speedup(alpha, k, c, verify[k], rho, distinct),
-                predicted_profile=speedup(alpha_profile, k, c, verify[k], rho_profile, distinct),
+                predicted=speedup(alpha, k, c, verify[k], rho, distinct, verify[0]),
+                predicted_profile=speedup(alpha_profile, k, c, verify[k], rho_profile, distinct, verify[0]),
                 identical=cell.outputs == plain.outputs,
                 tokens=cell.tokens,
                 plain_seconds=plain.seconds,
@@ -282,7 +282,7 @@ def _break_even(category: str, points: list[FitPoint], profile: Profile, config:
 
     def best(b: int) -> float:
         verify = costs.verify_costs(b)
-        return max(speedup(alpha, k, costs.draft_cost(d, b), verify[k], rho, b) for k in config.ks)
+        return max(speedup(alpha, k, costs.draft_cost(d, b), verify[k], rho, b, verify[0]) for k in config.ks)
 
     return BreakEven(
         category=category,

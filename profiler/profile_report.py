@@ -38,7 +38,11 @@ def render_profile(profile: Profile, threshold: float = COMPUTE_BOUND) -> str:
 def _target_table(profile: Profile) -> list[str]:
     curve, costs = profile.target, ProfileCosts(profile)
     widths = curve.widths
-    lines = ["target pass t(b, n) in ms, n = new tokens per sequence (n = k + 1 verifies k drafts):"]
+    context = profile.settings.get("context_tokens", "?")
+    lines = [
+        f"target pass t(b, n) in ms, n = new tokens per sequence (n = k + 1 verifies k drafts), "
+        f"{context} tokens cached per sequence:"
+    ]
     lines.append("  batch " + "".join(f"{w:>8}" for w in widths))
     lines += [
         f"  {b:>5} " + "".join(f"{s * 1e3:8.1f}" for s in row)

@@ -49,6 +49,9 @@ class ProfileConfig(BaseModel):
     threads: int | None = Field(None, ge=1)
     batches: list[int] = Field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64], min_length=2)
     max_width: int = Field(9, ge=2, le=K_LIMIT + 1, description="widest pass measured: k up to max_width - 1")
+    context_tokens: int = Field(
+        192, ge=1, le=4096, description="tokens already in every sequence's cache while passes are timed"
+    )
     prefill_lengths: list[int] = Field(default_factory=lambda: [16, 64, 256, 1024], min_length=1)
     drafters: list[DrafterKind] = Field(default_factory=lambda: ["ngram", "model"])
     drafter: DrafterConfig = Field(default_factory=DrafterConfig, description="drafter options (kind is ignored)")
@@ -80,7 +83,7 @@ def default_profile_path(model: str = "embedded", dtype: str = "float32", device
 def run_profile(config: ProfileConfig, progress: bool = True) -> Profile:
     loaded = load_model(config.model, dtype=config.dtype, device=config.device, threads=config.threads)
     widths = list(range(1, config.max_width + 1))
-    target = measure_curve(loaded, config.batches, widths, "target t(b, n)", progress)
+    target = measure_curve(loaded, config.batches, widths, config.context_tokens, "target t(b, n)", progress)
     prefill = measure_prefill(loaded, config.prefill_lengths, progress)
     costs = seeded_step_costs(loaded, target)
     drafters, acceptance, samples = [], [], []
@@ -89,7 +92,7 @@ def run_profile(config: ProfileConfig, progress: bool = True) -> Profile:
         measured, prompt_samples, in_run = measure_acceptance(loaded, drafter, costs, config, progress)
         acceptance += measured
         samples += prompt_samples
-        drafters.append(drafter_profile(loaded, drafter, kind, config.batches, in_run, progress))
+        drafters.append(drafter_profile(loaded, drafter, kind, config.batches, in_run, config.context_tokens, progress))
     return Profile(
         created=datetime.now(UTC),
         machine=machine_info().model_dump(),
@@ -106,12 +109,12 @@ def run_profile(config: ProfileConfig, progress: bool = True) -> Profile:
 
 
 def measure_curve(
-    loaded: LoadedModel, batches: Sequence[int], widths: Sequence[int], label: str, progress: bool
+    loaded: LoadedModel, batches: Sequence[int], widths: Sequence[int], context: int, label: str, progress: bool
 ) -> CostCurve:
-    """Best-of-3 pass times for every batch × width (64-token context per sequence)."""
+    """Best-of-3 pass times for every batch × width, `context` tokens already cached per sequence."""
     pad_id = loaded.tokenizer.pad_token_id
     rows = [
-        list(measure_step_times(loaded.model, pad_id, b, widths).values())
+        list(measure_step_times(loaded.model, pad_id, b, widths, context).values())
         for b in tqdm(batches, desc=label, unit="batch", disable=not progress)
     ]
     return CostCurve(batches=list(batches), widths=list(widths), seconds=rows)
@@ -223,6 +226,7 @@ def drafter_profile(
     kind: DrafterKind,
     batches: Sequence[int],
     in_run: dict[int, float],
+    context: int,
     progress: bool,
 ) -> DrafterProfile:
     """A model drafter's step is one forward pass of its model: probed at every batch like the
@@ -233,7 +237,7 @@ def drafter_profile(
         return DrafterProfile(name=drafter.name, kind=kind, batches=list(in_run), step_seconds=list(in_run.values()))
     pad_id = loaded.tokenizer.pad_token_id
     probed = [
-        measure_step_times(drafter.model, pad_id, b, [1])[1]
+        measure_step_times(drafter.model, pad_id, b, [1], context)[1]
         for b in tqdm(batches, desc=f"draft step {drafter.name}", unit="batch", disable=not progress)
     ]
     probe = DrafterProfile(name=drafter.name, kind=kind, batches=list(batches), step_seconds=probed)

@@ -246,12 +246,14 @@ def step_costs(loaded: LoadedModel, max_width: int) -> StepCosts:
 
 
 @torch.inference_mode()
-def measure_step_times(model: PreTrainedModel, pad_id: int, batch: int, widths: Sequence[int]) -> dict[int, float]:
-    """Best-of-3 seconds of a target pass of each width (new tokens per row) over a short random context."""
+def measure_step_times(
+    model: PreTrainedModel, pad_id: int, batch: int, widths: Sequence[int], context: int = PROBE_CONTEXT
+) -> dict[int, float]:
+    """Best-of-3 seconds of a target pass of each width (new tokens per row) over a random context."""
     cache = BatchedCache(model, pad_id)
     generator = torch.Generator().manual_seed(0)
     vocab = model.get_output_embeddings().weight.shape[0]
-    cache.prefill(torch.randint(0, vocab, (batch, PROBE_CONTEXT), generator=generator).tolist())
+    cache.prefill(torch.randint(0, vocab, (batch, context), generator=generator).tolist())
     lengths = cache.lengths.clone()
     # One untimed pass first: a dtype's first kernels can carry one-off set-up costs (bf16 on CPU).
     float(cache.extend(torch.randint(0, vocab, (batch, 1), generator=generator).tolist())[0, -1, 0])
