@@ -52,6 +52,7 @@ class ProfileConfig(BaseModel):
     context_tokens: int = Field(
         192, ge=1, le=4096, description="tokens already in every sequence's cache while passes are timed"
     )
+    repeats: int = Field(5, ge=1, le=50, description="timed tries per pass (the fastest counts)")
     prefill_lengths: list[int] = Field(default_factory=lambda: [16, 64, 256, 1024], min_length=1)
     drafters: list[DrafterKind] = Field(default_factory=lambda: ["ngram", "model"])
     drafter: DrafterConfig = Field(default_factory=DrafterConfig, description="drafter options (kind is ignored)")
@@ -83,7 +84,7 @@ def default_profile_path(model: str = "embedded", dtype: str = "float32", device
 def run_profile(config: ProfileConfig, progress: bool = True) -> Profile:
     loaded = load_model(config.model, dtype=config.dtype, device=config.device, threads=config.threads)
     widths = list(range(1, config.max_width + 1))
-    target = measure_curve(loaded, config.batches, widths, config.context_tokens, "target t(b, n)", progress)
+    target = measure_curve(loaded, config, widths, "target t(b, n)", progress)
     prefill = measure_prefill(loaded, config.prefill_lengths, progress)
     costs = seeded_step_costs(loaded, target)
     drafters, acceptance, samples = [], [], []
@@ -109,15 +110,15 @@ def run_profile(config: ProfileConfig, progress: bool = True) -> Profile:
 
 
 def measure_curve(
-    loaded: LoadedModel, batches: Sequence[int], widths: Sequence[int], context: int, label: str, progress: bool
+    loaded: LoadedModel, config: ProfileConfig, widths: Sequence[int], label: str, progress: bool
 ) -> CostCurve:
-    """Best-of-3 pass times for every batch × width, `context` tokens already cached per sequence."""
-    pad_id = loaded.tokenizer.pad_token_id
+    """Fastest of `repeats` pass times for every batch × width, `context_tokens` cached per sequence."""
+    pad_id, context, repeats = loaded.tokenizer.pad_token_id, config.context_tokens, config.repeats
     rows = [
-        list(measure_step_times(loaded.model, pad_id, b, widths, context).values())
-        for b in tqdm(batches, desc=label, unit="batch", disable=not progress)
+        list(measure_step_times(loaded.model, pad_id, b, widths, context, repeats).values())
+        for b in tqdm(config.batches, desc=label, unit="batch", disable=not progress)
     ]
-    return CostCurve(batches=list(batches), widths=list(widths), seconds=rows)
+    return CostCurve(batches=list(config.batches), widths=list(widths), seconds=rows)
 
 
 @torch.inference_mode()
@@ -237,7 +238,7 @@ def drafter_profile(
         return DrafterProfile(name=drafter.name, kind=kind, batches=list(in_run), step_seconds=list(in_run.values()))
     pad_id = loaded.tokenizer.pad_token_id
     probed = [
-        measure_step_times(drafter.model, pad_id, b, [1], context)[1]
+        measure_step_times(drafter.model, pad_id, b, [1], context, repeats=5)[1]
         for b in tqdm(batches, desc=f"draft step {drafter.name}", unit="batch", disable=not progress)
     ]
     probe = DrafterProfile(name=drafter.name, kind=kind, batches=list(batches), step_seconds=probed)

@@ -20,6 +20,15 @@ if TYPE_CHECKING:
     from backends.generation import GenerationResult
 
 DEFAULT_PROMPT_HELP = "sent as one user chat message unless --raw is given"
+# What a validation error is about, by the pydantic model that raised it.
+INPUT_NAMES = {
+    "GenerationRequest": "request",
+    "ProfileConfig": "profile settings",
+    "ModelFitConfig": "model-fit settings",
+    "BenchSpecConfig": "bench settings",
+    "BenchPlainConfig": "bench settings",
+    "DrafterConfig": "drafter settings",
+}
 
 
 class UsageError(UserError):
@@ -32,7 +41,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return args.handler(args)
     except ValidationError as exc:
-        print(f"error: invalid request:\n{format_validation_error(exc)}", file=sys.stderr)
+        what = INPUT_NAMES.get(exc.title, "input")
+        print(f"error: invalid {what}:\n{format_validation_error(exc)}", file=sys.stderr)
     except (UserError, ProfileError, PolicyError) as exc:  # anything else is a bug and keeps its traceback
         print(f"error: {exc}", file=sys.stderr)
     return 2

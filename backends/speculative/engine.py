@@ -247,9 +247,16 @@ def step_costs(loaded: LoadedModel, max_width: int) -> StepCosts:
 
 @torch.inference_mode()
 def measure_step_times(
-    model: PreTrainedModel, pad_id: int, batch: int, widths: Sequence[int], context: int = PROBE_CONTEXT
+    model: PreTrainedModel,
+    pad_id: int,
+    batch: int,
+    widths: Sequence[int],
+    context: int = PROBE_CONTEXT,
+    repeats: int = PROBE_REPEATS,
 ) -> dict[int, float]:
-    """Best-of-3 seconds of a target pass of each width (new tokens per row) over a random context."""
+    """Best-of-`repeats` seconds of a target pass of each width (new tokens per row) over a random
+    context. The repeats go round all widths in turn, so a slow spell on a busy machine spoils
+    one round of every width rather than every try of one width."""
     cache = BatchedCache(model, pad_id)
     generator = torch.Generator().manual_seed(0)
     vocab = model.get_output_embeddings().weight.shape[0]
@@ -258,14 +265,12 @@ def measure_step_times(
     # One untimed pass first: a dtype's first kernels can carry one-off set-up costs (bf16 on CPU).
     float(cache.extend(torch.randint(0, vocab, (batch, 1), generator=generator).tolist())[0, -1, 0])
     cache.truncate(lengths)
-    seconds = {}
-    for width in widths:
-        best = float("inf")
-        for _ in range(PROBE_REPEATS):
+    seconds = dict.fromkeys(widths, float("inf"))
+    for _ in range(repeats):
+        for width in widths:
             block = torch.randint(0, vocab, (batch, width), generator=generator).tolist()
             started = time.perf_counter()
             float(cache.extend(block)[0, -1, 0])  # reading a value waits for an asynchronous device
-            best = min(best, time.perf_counter() - started)
+            seconds[width] = min(seconds[width], time.perf_counter() - started)
             cache.truncate(lengths)
-        seconds[width] = best
     return seconds

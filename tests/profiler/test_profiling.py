@@ -166,5 +166,20 @@ def test_default_profile_path_is_per_model_under_specroute_home(tmp_path, monkey
 )
 def test_profile_command_refuses_bad_settings(capsys, tmp_path, args, message):
     assert main(["profile", *args, "--out", str(tmp_path / "p.json")]) == 2
-    assert message in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert err.startswith("error: invalid profile settings:") and message in err
     assert not (tmp_path / "p.json").exists()
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--batches", "0,2"], "batches: Value error, must be positive and strictly increasing"),
+        (["--ks", "4,2"], "ks: Value error, must be positive and strictly increasing"),
+        (["--categories", "poetry"], "unknown categories ['poetry']"),
+    ],
+)
+def test_model_fit_refuses_bad_settings_before_measuring(capsys, args, message):
+    assert main(["bench", "model-fit", *args, "--out", "-"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: invalid model-fit settings:") and message in err
