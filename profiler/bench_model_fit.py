@@ -35,16 +35,13 @@ from policies.profile import Profile, ProfileError
 
 from .hardware import MachineInfo, machine_info
 from .profiling import default_profile_path, seeded_step_costs
+from .settings import ModelSettings
 from .workloads import check_categories, load_prompt_set
 
 PLAIN = "plain"
 
 
-class ModelFitConfig(BaseModel):
-    model: str = "embedded"
-    dtype: str = "float32"
-    device: str = "cpu"
-    threads: int | None = Field(None, ge=1)
+class ModelFitConfig(ModelSettings):
     profile: str | None = Field(None, description="profile path (default: this model's under SPECROUTE_HOME)")
     drafter: DrafterKind = "ngram"
     drafter_options: DrafterConfig = Field(default_factory=DrafterConfig)

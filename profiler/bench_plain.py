@@ -17,6 +17,7 @@ from backends.models import LoadedModel, load_model
 from backends.plain import PlainEngine
 
 from .hardware import MachineInfo, machine_info, measure_copy_bandwidth, measure_matvec_bandwidth
+from .settings import ModelSettings
 
 BENCH_PROMPTS = (
     "Explain why the sky is blue in two sentences.",
@@ -26,11 +27,7 @@ BENCH_PROMPTS = (
 )
 
 
-class BenchPlainConfig(BaseModel):
-    model: str = "embedded"
-    dtype: str = "float32"
-    device: str = "cpu"
-    threads: int | None = Field(None, ge=1)
+class BenchPlainConfig(ModelSettings):
     max_tokens: int = Field(48, ge=2, le=4096)
     batch_sizes: list[Annotated[int, Field(ge=1)]] = Field(default_factory=lambda: [1, 4, 16, 64], min_length=1)
     rounds: int = Field(3, ge=1)

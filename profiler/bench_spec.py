@@ -27,16 +27,13 @@ from backends.speculative.factory import DrafterConfig, DrafterKind, build_draft
 from backends.speculative.stats import SpeculationStats
 
 from .hardware import MachineInfo, machine_info
+from .settings import ModelSettings
 from .workloads import load_prompt_set
 
 PLAIN = "plain"
 
 
-class BenchSpecConfig(BaseModel):
-    model: str = "embedded"
-    dtype: str = "float32"
-    device: str = "cpu"
-    threads: int | None = Field(None, ge=1)
+class BenchSpecConfig(ModelSettings):
     max_tokens: int = Field(96, ge=2, le=2048, description="upper bound per request; EOS ends a request earlier")
     categories: list[str] | None = Field(None, description="default: every category of the prompt set")
     prompts_per_category: int = Field(3, ge=1)

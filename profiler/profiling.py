@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 from tqdm import tqdm
 
 from backends.embedded import specroute_home
@@ -37,16 +37,13 @@ from policies.profile import (
 
 from .hardware import machine_info
 from .predictor import cross_validate
+from .settings import ModelSettings
 from .workloads import check_categories, load_prompt_set
 
 PREFILL_REPEATS = 3
 
 
-class ProfileConfig(BaseModel):
-    model: str = "embedded"
-    dtype: str = "float32"
-    device: str = "cpu"
-    threads: int | None = Field(None, ge=1)
+class ProfileConfig(ModelSettings):
     batches: list[int] = Field(default_factory=lambda: [1, 2, 4, 8, 16, 32, 64], min_length=2)
     max_width: int = Field(9, ge=2, le=K_LIMIT + 1, description="widest pass measured: k up to max_width - 1")
     context_tokens: int = Field(

@@ -60,21 +60,47 @@ def build_parser() -> argparse.ArgumentParser:
     generate.set_defaults(handler=run_generate)
     bench = commands.add_parser("bench", help="benchmarks that print side-by-side ratios")
     benches = bench.add_subparsers(dest="bench", required=True)
-    plain = benches.add_parser("plain", help="plain engine vs transformers generate; batch scaling; bandwidth")
-    _add_bench_plain_args(plain)
-    plain.set_defaults(handler=run_bench_plain)
-    spec = benches.add_parser("spec", help="speculative vs plain per prompt category, and vs transformers")
-    _add_bench_spec_args(spec)
-    spec.set_defaults(handler=run_bench_spec)
-    fit = benches.add_parser("model-fit", help="cost model's predicted speedup vs measured, by category, k and batch")
-    _add_model_fit_args(fit)
-    fit.set_defaults(handler=run_bench_model_fit)
-    profile = commands.add_parser("profile", help="measure cost curves and acceptance on this machine; fit α")
-    _add_profile_args(profile)
-    profile.set_defaults(handler=run_profile)
-    advise = commands.add_parser("advise", help="which backend a request should go to, and why (runs nothing)")
-    _add_advise_args(advise)
-    advise.set_defaults(handler=run_advise)
+    subcommands = [
+        (
+            benches,
+            "plain",
+            "plain engine vs transformers generate; batch scaling; bandwidth",
+            _add_bench_plain_args,
+            run_bench_plain,
+        ),
+        (
+            benches,
+            "spec",
+            "speculative vs plain per prompt category, and vs transformers",
+            _add_bench_spec_args,
+            run_bench_spec,
+        ),
+        (
+            benches,
+            "model-fit",
+            "cost model's predicted speedup vs measured, by category, k and batch",
+            _add_model_fit_args,
+            run_bench_model_fit,
+        ),
+        (
+            commands,
+            "profile",
+            "measure cost curves and acceptance on this machine; fit α",
+            _add_profile_args,
+            run_profile,
+        ),
+        (
+            commands,
+            "advise",
+            "which backend a request should go to, and why (runs nothing)",
+            _add_advise_args,
+            run_advise,
+        ),
+    ]
+    for parent, name, help_text, add_args, handler in subcommands:
+        sub = parent.add_parser(name, help=help_text)
+        add_args(sub)
+        sub.set_defaults(handler=handler)
     return parser
 
 
