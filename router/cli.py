@@ -6,9 +6,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
@@ -317,12 +317,7 @@ def run_bench_spec(args: argparse.Namespace) -> int:
     )
     _quiet_model_loading()
     report = run_bench_spec(config)
-    if args.out != "-":
-        Path(args.out).write_text(report.model_dump_json(indent=2))
-    print(report.model_dump_json(indent=2) if args.json else render_report(report))
-    if args.out != "-" and not args.json:
-        print(f"\nresults written to {args.out}")
-    return 0
+    return _print_report(args, report, render_report)
 
 
 def run_profile(args: argparse.Namespace) -> int:
@@ -403,9 +398,14 @@ def run_bench_model_fit(args: argparse.Namespace) -> int:
     )
     _quiet_model_loading()
     report = run_model_fit(config)
+    return _print_report(args, report, render_model_fit)
+
+
+def _print_report(args: argparse.Namespace, report: Any, render: Callable[[Any], str]) -> int:
+    """A bench's tables (or JSON with --json), its JSON also to --out unless that is '-'."""
     if args.out != "-":
         Path(args.out).write_text(report.model_dump_json(indent=2))
-    print(report.model_dump_json(indent=2) if args.json else render_model_fit(report))
+    print(report.model_dump_json(indent=2) if args.json else render(report))
     if args.out != "-" and not args.json:
         print(f"\nresults written to {args.out}")
     return 0
