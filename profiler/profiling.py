@@ -90,7 +90,7 @@ def run_profile(config: ProfileConfig, progress: bool = True) -> Profile:
         measured, prompt_samples, in_run = measure_acceptance(loaded, drafter, costs, config, progress)
         acceptance += measured
         samples += prompt_samples
-        drafters.append(drafter_profile(loaded, drafter, kind, config.batches, in_run, config.context_tokens, progress))
+        drafters.append(drafter_profile(loaded, drafter, kind, config, in_run, progress))
     return Profile(
         created=datetime.now(UTC),
         machine=machine_info().model_dump(),
@@ -222,9 +222,8 @@ def drafter_profile(
     loaded: LoadedModel,
     drafter: Drafter,
     kind: DrafterKind,
-    batches: Sequence[int],
+    config: ProfileConfig,
     in_run: dict[int, float],
-    context: int,
     progress: bool,
 ) -> DrafterProfile:
     """A model drafter's step is one forward pass of its model: probed at every batch like the
@@ -235,10 +234,10 @@ def drafter_profile(
         return DrafterProfile(name=drafter.name, kind=kind, batches=list(in_run), step_seconds=list(in_run.values()))
     pad_id = loaded.tokenizer.pad_token_id
     probed = [
-        measure_step_times(drafter.model, pad_id, b, [1], context, repeats=5)[1]
-        for b in tqdm(batches, desc=f"draft step {drafter.name}", unit="batch", disable=not progress)
+        measure_step_times(drafter.model, pad_id, b, [1], config.context_tokens, config.repeats)[1]
+        for b in tqdm(config.batches, desc=f"draft step {drafter.name}", unit="batch", disable=not progress)
     ]
-    probe = DrafterProfile(name=drafter.name, kind=kind, batches=list(batches), step_seconds=probed)
+    probe = DrafterProfile(name=drafter.name, kind=kind, batches=list(config.batches), step_seconds=probed)
     calibration = float(np.median([s / probe.step_at(b) for b, s in in_run.items()]))
     return probe.model_copy(
         update={"step_seconds": [s * calibration for s in probed], "probed_seconds": probed, "calibration": calibration}
