@@ -8,7 +8,7 @@ PROMPT ?= What is the capital of France?
 # a CPU build, e.g. make test TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu"
 TORCH_PIP_ARGS ?=
 
-.PHONY: install model run test lint bench clean
+.PHONY: install model run generate test lint bench clean
 
 # torch goes in first and pinned, so the project's `torch>=2.4` is already satisfied and pip
 # never resolves a bare `torch` requirement to a multi-GB CUDA build.
@@ -24,7 +24,12 @@ install: $(STAMP)
 model: install
 	$(BIN)/specroute setup
 
+# The service on the embedded default model: profiles this machine on first start (~10 min, once),
+# then serves the OpenAI-compatible API on http://127.0.0.1:8000/v1 until Ctrl-C.
 run: model
+	$(BIN)/specroute serve
+
+generate: model
 	$(BIN)/specroute generate "$(PROMPT)"
 
 test: model

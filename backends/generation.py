@@ -8,7 +8,7 @@ accepts a block of drafted tokens never emits past a stop condition inside that 
 from __future__ import annotations
 
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -19,6 +19,9 @@ from .sampling import SamplingParams
 from .speculative.stats import SpeculationStats
 
 FinishReason = Literal["stop", "length"]
+# Called with the sequence and each token id right after it is appended (`state.finished` is
+# already set when that token ended it): how engines stream while they run.
+TokenListener = Callable[["SequenceState", int], None]
 
 
 class ChatMessage(BaseModel):
@@ -39,6 +42,10 @@ class GenerationRequest(BaseModel):
     stop: list[str] = Field(default_factory=list, description="generation ends before any of these")
     ignore_eos: bool = Field(False, description="keep generating past EOS (benchmarks)")
     sampling: SamplingParams = Field(default_factory=SamplingParams)
+    resume_ids: list[int] = Field(
+        default_factory=list,
+        description="tokens an earlier attempt already generated: decoding resumes after them (a retry)",
+    )
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -96,6 +103,8 @@ class SequenceState:
     finish_reason: FinishReason | None = None
     first_token_at: float | None = None
     finished_at: float | None = None
+    listener: TokenListener | None = None  # streams tokens out while the engine runs
+    speculation: SpeculationStats | None = None  # the speculative engine's live statistics of this row
     _stop_cut: int | None = None  # character offset where a stop string begins
     _searched_chars: int = 0
 
@@ -116,6 +125,8 @@ class SequenceState:
             self.finish_reason = "length"
         if self.finished:
             self.finished_at = now
+        if self.listener is not None:
+            self.listener(self, token)
         return self.finished
 
     def result(self, tokenizer: PreTrainedTokenizerBase) -> GenerationResult:
@@ -134,6 +145,7 @@ class SequenceState:
             ttft_s=first - self.started_at,
             tpot_s=(finished - first) / (count - 1) if count > 1 else 0.0,
             seed=self.seed,
+            speculation=self.speculation,
         )
 
     def _hit_stop_string(self, tokenizer: PreTrainedTokenizerBase) -> bool:
@@ -147,3 +159,12 @@ class SequenceState:
         if hits:
             self._stop_cut = min(hits)
         return bool(hits)
+
+
+def listener_for(listeners: Sequence[TokenListener | None] | None, index: int, count: int) -> TokenListener | None:
+    """The listener of request `index` out of `count`, checking the list matches the requests."""
+    if listeners is None:
+        return None
+    if len(listeners) != count:
+        raise ValueError(f"{len(listeners)} listeners for {count} requests")
+    return listeners[index]

@@ -16,7 +16,7 @@ from transformers import DynamicCache, PreTrainedTokenizerBase
 from transformers.cache_utils import DynamicLayer
 
 from .errors import RequestError
-from .generation import GenerationRequest, GenerationResult, SequenceState
+from .generation import GenerationRequest, GenerationResult, SequenceState, TokenListener, listener_for
 from .models import LoadedModel
 from .sampling import new_generator, sample_tokens
 
@@ -37,10 +37,13 @@ class PlainEngine:
         return ids
 
     @torch.inference_mode()
-    def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
+    def generate(
+        self, requests: Sequence[GenerationRequest], listeners: Sequence[TokenListener | None] | None = None
+    ) -> list[GenerationResult]:
+        """Decode a batch to completion; `listeners[i]` (optional) hears request i's tokens as they come."""
         if not requests:
             return []
-        sequences, generators = self._start(requests)
+        sequences, generators = self._start(requests, listeners)
         input_ids, mask = left_pad([s.prompt_ids for s in sequences], self.tokenizer.pad_token_id, self.device)
         positions = position_ids(mask)
         cache = DynamicCache(config=self.model.config)
@@ -64,13 +67,17 @@ class PlainEngine:
             logits = self._forward(tokens.unsqueeze(1), mask, positions, cache)
         return [s.result(self.tokenizer) for s in sequences]
 
-    def _start(self, requests: Sequence[GenerationRequest]) -> tuple[list[SequenceState], list[torch.Generator]]:
+    def _start(
+        self, requests: Sequence[GenerationRequest], listeners: Sequence[TokenListener | None] | None
+    ) -> tuple[list[SequenceState], list[torch.Generator]]:
         started_at = time.perf_counter()
         sequences, generators = [], []
-        for request in requests:
+        for i, request in enumerate(requests):
             generator, seed = new_generator(request.sampling.seed)
             generators.append(generator)
-            sequences.append(SequenceState(request, self.encode(request), self.eos_ids, seed, started_at))
+            listener = listener_for(listeners, i, len(requests))
+            state = SequenceState(request, self.encode(request), self.eos_ids, seed, started_at, listener=listener)
+            sequences.append(state)
         return sequences, generators
 
     def _forward(
@@ -136,10 +143,11 @@ def drop_finished_rows(
 
 
 def prompt_ids(tokenizer: PreTrainedTokenizerBase, request: GenerationRequest) -> list[int]:
-    """A request's prompt tokens; chat messages go through the tokenizer's chat template."""
+    """A request's prompt tokens (chat messages go through the tokenizer's chat template), followed
+    by any tokens an interrupted attempt already generated."""
     if request.messages is not None:
         text = tokenizer.apply_chat_template(
             [m.model_dump() for m in request.messages], add_generation_prompt=True, tokenize=False
         )
-        return tokenizer(text, add_special_tokens=False).input_ids
-    return tokenizer(request.prompt).input_ids
+        return tokenizer(text, add_special_tokens=False).input_ids + request.resume_ids
+    return tokenizer(request.prompt).input_ids + request.resume_ids

@@ -175,7 +175,9 @@ class QuantizedProfile(_Frozen):
 
     method: str
     curve: CostCurve
-    agreement: float = Field(ge=0, le=1, description="greedy tokens equal to the full-precision target's")
+    agreement: float = Field(
+        ge=0, le=1, description="teacher-forced top-1 agreement with the full-precision target on held-out text"
+    )
     perplexity_delta: float | None = Field(None, description="relative perplexity change on a text set")
 
 

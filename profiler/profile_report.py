@@ -32,7 +32,21 @@ def render_profile(profile: Profile, threshold: float = COMPUTE_BOUND) -> str:
     ]
     if profile.predictor:
         lines += ["", *_predictor(profile)]
+    if profile.quantized is not None:
+        lines += ["", *_quantized(profile)]
     return "\n".join(lines)
+
+
+def _quantized(profile: Profile) -> list[str]:
+    q = profile.quantized
+    assert q is not None
+    ppl = "" if q.perplexity_delta is None else f", perplexity {q.perplexity_delta:+.1%}"
+    lines = [f"int8 backend ({q.method}): agreement with the target {q.agreement:.1%} (teacher-forced){ppl}"]
+    lines.append("  batch   int8 ms   target ms   speedup")
+    for b, row in zip(q.curve.batches, q.curve.seconds, strict=True):
+        target = profile.target.at(b, 1)
+        lines.append(f"  {b:>5} {row[0] * 1e3:9.1f} {target * 1e3:11.1f} {target / row[0]:8.2f}×")
+    return lines
 
 
 def _target_table(profile: Profile) -> list[str]:

@@ -20,6 +20,8 @@ from tqdm import tqdm
 from backends.embedded import specroute_home
 from backends.generation import GenerationRequest, GenerationResult
 from backends.models import LoadedModel, load_model
+from backends.plain import PlainEngine
+from backends.quantized import QuantMethod, measure_quality, quantize
 from backends.speculative.control import StepCosts
 from backends.speculative.drafters import Drafter, ModelDrafter
 from backends.speculative.engine import K_LIMIT, SpeculativeEngine, measure_step_times, step_costs
@@ -33,12 +35,13 @@ from policies.profile import (
     DrafterProfile,
     ModelSummary,
     Profile,
+    QuantizedProfile,
 )
 
 from .hardware import machine_info
 from .predictor import cross_validate
 from .settings import ModelSettings
-from .workloads import check_categories, load_prompt_set
+from .workloads import WorkloadPrompt, check_categories, load_prompt_set, quantization_split
 
 PREFILL_REPEATS = 3
 
@@ -58,6 +61,8 @@ class ProfileConfig(ModelSettings):
     categories: list[str] | None = None
     prompts_per_category: int | None = Field(None, ge=1, description="default: every prompt of the set")
     folds: int = Field(5, ge=2)
+    quantization: QuantMethod | None = Field("smoothquant", description="int8 method to measure; null: none")
+    quality_tokens: int = Field(32, ge=1, le=512, description="greedy tokens per prompt the int8 agreement reads")
 
     _known_categories = field_validator("categories")(check_categories)
 
@@ -91,6 +96,7 @@ def run_profile(config: ProfileConfig, progress: bool = True) -> Profile:
         acceptance += measured
         samples += prompt_samples
         drafters.append(drafter_profile(loaded, drafter, kind, config, in_run, progress))
+    quantized = measure_quantized(loaded, config, config.quantization, progress) if config.quantization else None
     return Profile(
         created=datetime.now(UTC),
         machine=machine_info().model_dump(),
@@ -103,7 +109,31 @@ def run_profile(config: ProfileConfig, progress: bool = True) -> Profile:
         acceptance=acceptance,
         samples=samples,
         predictor=[s for t in ("alpha", "proposal_rate") for s in cross_validate(samples, config.folds, target=t)],
+        quantized=quantized,
     )
+
+
+def measure_quantized(
+    loaded: LoadedModel, config: ProfileConfig, method: QuantMethod, progress: bool
+) -> QuantizedProfile:
+    """The int8 backend as it will be served: smoothed on one half of the prompt set, its 1-token
+    pass timed like the target's, its quality measured on the other half."""
+    calibration, evaluation = quantization_split()
+    engine = PlainEngine(loaded)
+    int8 = quantize(loaded, [engine.encode(_request(p, 1)) for p in calibration], method)
+    curve = measure_curve(int8, config, [1], f"int8 {method} t(b, 1)", progress)
+    requests = [_request(p, config.quality_tokens) for p in evaluation]
+    answers = engine.generate(requests)
+    sequences = [engine.encode(r) + a.token_ids for r, a in zip(requests, answers, strict=True)]
+    texts = [m.content for p in evaluation for m in p.messages]
+    quality = measure_quality(loaded, int8, sequences, texts)
+    return QuantizedProfile(
+        method=method, curve=curve, agreement=quality.agreement, perplexity_delta=quality.perplexity_delta
+    )
+
+
+def _request(prompt: WorkloadPrompt, max_tokens: int) -> GenerationRequest:
+    return GenerationRequest(messages=prompt.messages, max_tokens=max_tokens)
 
 
 def measure_curve(

@@ -28,6 +28,9 @@ INPUT_NAMES = {
     "BenchSpecConfig": "bench settings",
     "BenchPlainConfig": "bench settings",
     "DrafterConfig": "drafter settings",
+    "ServiceSettings": "service settings",
+    "BackendSettings": "backend settings",
+    "LoadConfig": "load settings",
 }
 
 
@@ -95,6 +98,20 @@ def build_parser() -> argparse.ArgumentParser:
             "which backend a request should go to, and why (runs nothing)",
             _add_advise_args,
             run_advise,
+        ),
+        (
+            commands,
+            "serve",
+            "start the OpenAI-compatible service (Ray Serve, three backends) and print its URL",
+            _add_serve_args,
+            run_serve,
+        ),
+        (
+            benches,
+            "load",
+            "closed-loop load on the running service: router vs every backend forced, per concurrency",
+            _add_bench_load_args,
+            run_bench_load,
         ),
     ]
     for parent, name, help_text, add_args, handler in subcommands:
@@ -219,6 +236,72 @@ def _add_bench_spec_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="bench-spec.json", help="where the JSON results go ('-' for none)")
     parser.add_argument("--json", action="store_true", help="print the JSON instead of the tables")
     _add_model_args(parser)
+
+
+def _add_serve_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 exposes it: set an API key)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--profile", help="profile JSON (default: SPECROUTE_HOME/profiles/…; measured if missing)")
+    parser.add_argument("--policy", help="policy YAML (default: the built-in policy, as in deploy/policy.yaml)")
+    parser.add_argument("--max-batch", type=int, default=32, help="most requests one backend batch takes")
+    parser.add_argument("--drafters", default="ngram,model", help="drafters the speculative backend loads")
+    parser.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (default: $SPECROUTE_API_KEY)")
+    _add_model_args(parser)
+
+
+def _add_bench_load_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--url", default="http://127.0.0.1:8000", help="the running service")
+    parser.add_argument("--concurrency", default="1,2,4,8,16,32", help="comma-separated concurrency levels")
+    parser.add_argument("--modes", default="auto,speculative,plain,quantized", help="router (auto) and forced backends")
+    parser.add_argument("--requests", type=int, help="requests per mode and level (default: max(8, 2 × level))")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--categories", help="comma-separated prompt categories (default: all)")
+    parser.add_argument("--slo-ttft-ms", type=float, default=2000.0)
+    parser.add_argument("--slo-tpot-ms", type=float, default=250.0)
+    parser.add_argument("--api-key", help="Bearer key, if the service needs one")
+    parser.add_argument("--out", default="bench-load.json", help="where the JSON results go ('-' for none)")
+    parser.add_argument("--json", action="store_true", help="print the JSON instead of the table")
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from backends.deployments import BackendSettings
+    from router.serve_cmd import serve_forever
+    from router.service import ServiceSettings
+
+    backend = BackendSettings(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        threads=args.threads or 1,  # three replicas share the cores: one torch thread each unless told
+        max_batch=args.max_batch,
+        drafters=_str_list(args.drafters),
+    )
+    settings = ServiceSettings(backend=backend, profile=args.profile, api_key=args.api_key)
+    if not 1 <= args.port <= 65535:
+        raise UsageError(f"--port must be 1-65535 (got {args.port})")
+    return serve_forever(settings, args.host, args.port, args.policy)
+
+
+def run_bench_load(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from router.bench_load import LoadConfig, render_load, run_load
+
+    config = LoadConfig(
+        url=args.url,
+        api_key=args.api_key,
+        concurrency=_int_list(args.concurrency, "--concurrency"),
+        modes=_str_list(args.modes),
+        requests_per_level=args.requests,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        categories=_str_list(args.categories) if args.categories else None,
+        slo_ttft_ms=args.slo_ttft_ms,
+        slo_tpot_ms=args.slo_tpot_ms,
+    )
+    report = asyncio.run(run_load(config))
+    return _print_report(args, report, render_load)
 
 
 def run_setup(args: argparse.Namespace) -> int:

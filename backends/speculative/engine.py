@@ -24,7 +24,7 @@ import torch
 from transformers import PreTrainedModel
 
 from ..errors import RequestError
-from ..generation import GenerationRequest, GenerationResult, SequenceState
+from ..generation import GenerationRequest, GenerationResult, SequenceState, TokenListener, listener_for
 from ..models import LoadedModel
 from ..plain import PlainEngine
 from ..sampling import new_generator, sample_tokens, target_probs
@@ -102,18 +102,21 @@ class SpeculativeEngine:
         BatchedCache(self.model, self.tokenizer.pad_token_id)  # refuses models whose cache cannot roll back
 
     @torch.inference_mode()
-    def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
+    def generate(
+        self, requests: Sequence[GenerationRequest], listeners: Sequence[TokenListener | None] | None = None
+    ) -> list[GenerationResult]:
+        """Decode a batch to completion; `listeners[i]` (optional) hears request i's tokens as they come."""
         if not requests:
             return []
         self.costs.ensure(len(requests))  # step-cost probes run before any request's clock starts
-        rows = self._start(requests)
+        rows = self._start(requests, listeners)
         run = _Run(rows, list(range(len(rows))), BatchedCache(self.model, self.tokenizer.pad_token_id))
         logits = run.target.prefill([r.state.prompt_ids for r in rows])
         first = sample_tokens(logits, [r.draft.sampling for r in rows], [r.draft.generator for r in rows])
         self._finish_rows(run, self._emit(run, [[int(t)] for t in first.tolist()]))
         while run.active:
             self._step(run)
-        return [r.state.result(self.tokenizer).model_copy(update={"speculation": r.stats}) for r in rows]
+        return [r.state.result(self.tokenizer) for r in rows]
 
     def _step(self, run: _Run) -> None:
         rows, active, batch = run.rows, run.active, len(run.active)
@@ -218,12 +221,15 @@ class SpeculativeEngine:
         self.totals.target_step_s = step_s
         self.totals.record(max(step.ks), drafted, step.accepted, step.draft_s, step.verify_s, step.ks)
 
-    def _start(self, requests: Sequence[GenerationRequest]) -> list[_Row]:
+    def _start(
+        self, requests: Sequence[GenerationRequest], listeners: Sequence[TokenListener | None] | None
+    ) -> list[_Row]:
         rows = []
         now = time.perf_counter()
-        for request in requests:
+        for i, request in enumerate(requests):
             generator, seed = new_generator(request.sampling.seed)
-            state = SequenceState(request, self.plain.encode(request), self.plain.eos_ids, seed, now)
+            listener = listener_for(listeners, i, len(requests))
+            state = SequenceState(request, self.plain.encode(request), self.plain.eos_ids, seed, now, listener=listener)
             draft = DraftRow(state.prompt_ids, state.token_ids, request.sampling, generator)
             chooser = None
             if self.k == "auto":
@@ -232,6 +238,7 @@ class SpeculativeEngine:
                 tracker = AcceptanceTracker(prior_alpha=self.acceptance.alpha, prior_weight=4.0)
                 chooser = KChooser(self.k_max, tracker, np.random.default_rng(seed))
             stats = SpeculationStats(drafter=self.drafter.name, k_mode=str(self.k))
+            state.speculation = stats  # a row's result carries its statistics, even read mid-batch
             rows.append(_Row(state, draft, stats, chooser))
         return rows
 
@@ -259,7 +266,7 @@ def measure_step_times(
     one round of every width rather than every try of one width."""
     cache = BatchedCache(model, pad_id)
     generator = torch.Generator().manual_seed(0)
-    vocab = model.get_output_embeddings().weight.shape[0]
+    vocab = model.config.vocab_size  # not the LM head: an int8 head has no float weight matrix
     cache.prefill(torch.randint(0, vocab, (batch, context), generator=generator).tolist())
     lengths = cache.lengths.clone()
     # One untimed pass first: a dtype's first kernels can carry one-off set-up costs (bf16 on CPU).

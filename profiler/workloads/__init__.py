@@ -46,3 +46,10 @@ def check_categories(categories: list[str] | None) -> list[str] | None:
 def load_prompt_set() -> PromptSet:
     text = files(__package__).joinpath("prompts.yaml").read_text(encoding="utf-8")
     return PromptSet.model_validate(yaml.safe_load(text))
+
+
+def quantization_split() -> tuple[list[WorkloadPrompt], list[WorkloadPrompt]]:
+    """Prompts that calibrate int8 smoothing and disjoint prompts its quality is measured on:
+    alternating prompts of every category, so both halves cover every kind of text."""
+    prompts = [p for category in load_prompt_set().categories.values() for p in category.prompts]
+    return prompts[0::2], prompts[1::2]

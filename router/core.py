@@ -1,0 +1,310 @@
+"""The router's logic, free of Ray and HTTP: check a request against the limits, decide where it
+goes (the policy, fed with live in-flight counts, the α predictor and the profile), run it on a
+backend with retry, count what is in flight, and feed the α each request achieved back to the
+predictor. `router.service` plugs in Ray Serve handles; tests plug in engines or fakes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from pydantic import BaseModel, ConfigDict, Field
+from transformers import PreTrainedTokenizerBase
+
+from backends.errors import RequestError
+from backends.generation import GenerationRequest, GenerationResult
+from backends.plain import prompt_ids
+from backends.streaming import StreamEvent
+from policies.config import PolicyConfig, PolicyError, parse_policy
+from policies.policy import Decision, LoadSnapshot, RequestFeatures, decide
+from policies.profile import Profile, ProfileError
+
+from .advise import Predictors, request_features
+from .schemas import SpecrouteInfo, SpecrouteOptions
+
+log = logging.getLogger("specroute.router")
+BACKEND_NAMES = ("speculative", "plain", "quantized")
+
+
+class Limits(BaseModel):
+    """What one request may ask for; beyond these it gets a 400 that names the limit."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_prompt_tokens: int = Field(4096, ge=1)
+    max_tokens: int = Field(1024, ge=1, description="largest max_tokens a request may ask for")
+    default_max_tokens: int = Field(256, ge=1, description="a chat request without max_tokens gets this")
+    max_messages: int = Field(128, ge=1)
+    max_body_bytes: int = Field(1 << 20, ge=1024)
+    retries: int = Field(2, ge=0, le=10, description="attempts on the plain backend after a backend fails")
+
+
+class BackendPool(Protocol):
+    def stream(self, backend: str, request: dict[str, Any], drafter: str | None) -> AsyncIterator[StreamEvent]: ...
+
+
+class Metrics(Protocol):
+    def routed(self, backend: str, stage: str) -> None: ...
+    def in_flight(self, backend: str, count: int) -> None: ...
+    def finished(self, backend: str, result: GenerationResult) -> None: ...
+    def retried(self, backend: str) -> None: ...
+
+
+class NoMetrics:
+    def routed(self, backend: str, stage: str) -> None: ...
+    def in_flight(self, backend: str, count: int) -> None: ...
+    def finished(self, backend: str, result: GenerationResult) -> None: ...
+    def retried(self, backend: str) -> None: ...
+
+
+@dataclass
+class Prepared:
+    request: GenerationRequest
+    prompt_tokens: int
+    options: SpecrouteOptions
+
+
+@dataclass
+class Routed:
+    backend: str
+    drafter: str | None
+    k: int | None
+    stage: str
+    reasons: list[str]
+    concurrency: int
+    predicted_alpha: float | None
+    decision: Decision
+    features: RequestFeatures
+    retried: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def info(self, result: GenerationResult | None) -> SpecrouteInfo:
+        stats = result.speculation if result is not None else None
+        return SpecrouteInfo(
+            backend=self.backend,
+            drafter=self.drafter,
+            k=self.k,
+            stage=self.stage,
+            reasons=self.reasons,
+            concurrency=self.concurrency,
+            predicted_alpha=self.predicted_alpha,
+            alpha=stats.alpha if stats and stats.judged_tokens else None,
+            accepted_tokens=stats.accepted_tokens if stats else None,
+            draft_tokens=stats.draft_tokens if stats else None,
+            mean_accepted_length=stats.mean_accepted_length if stats and stats.drafts else None,
+            retried=self.retried,
+            ttft_ms=result.ttft_s * 1e3 if result else None,
+            tpot_ms=result.tpot_s * 1e3 if result else None,
+        )
+
+
+class RouterCore:
+    def __init__(
+        self,
+        profile: Profile,
+        policy: PolicyConfig,
+        tokenizer: PreTrainedTokenizerBase,
+        pool: BackendPool,
+        limits: Limits | None = None,
+        metrics: Metrics | None = None,
+        served_drafters: list[str] | None = None,
+    ):
+        """`served_drafters`: the drafter kinds the speculative backend loaded (None: any profiled)."""
+        self.profile, self.policy, self.tokenizer, self.pool = profile, policy, tokenizer, pool
+        self.served_drafters = served_drafters
+        self.limits = limits or Limits()
+        self.metrics = metrics or NoMetrics()
+        self.predictors = Predictors.from_profile(profile)
+        self.load: Counter[str] = Counter()
+        self.policy_error: str | None = None
+
+    @property
+    def drafters(self) -> list[str]:
+        """Names and kinds of the drafters profiled and served: what a request may ask for."""
+        served = [d for d in self.profile.drafters if self.served_drafters is None or d.kind in self.served_drafters]
+        return sorted({d.name for d in served} | {d.kind for d in served})
+
+    def effective_policy(self) -> PolicyConfig:
+        """The policy, its drafters narrowed to those the speculative backend serves."""
+        spec = self.policy.speculation
+        if self.served_drafters is None:
+            return self.policy
+        kept = [d for d in spec.drafters if d in self.served_drafters]
+        if kept == list(spec.drafters):
+            return self.policy
+        update = {"drafters": kept} if kept else {"drafters": [], "enabled": False}
+        return self.policy.model_copy(update={"speculation": spec.model_copy(update=update)})
+
+    # -- policy ---------------------------------------------------------------------------------
+    def apply_policy(self, raw: dict[str, Any] | None, source: str = "user_config") -> bool:
+        """Swap in a new policy; an invalid one is refused and the last good one stays."""
+        try:
+            self.policy = parse_policy(raw or {}, source)
+        except PolicyError as exc:
+            self.policy_error = str(exc)
+            log.error("policy rejected, keeping the last good one: %s", exc)
+            return False
+        self.policy_error = None
+        return True
+
+    # -- admission ------------------------------------------------------------------------------
+    def prepare(self, request: GenerationRequest, options: SpecrouteOptions, messages: int = 1) -> Prepared:
+        limits = self.limits
+        if messages > limits.max_messages:
+            raise RequestError(f"{messages} messages exceed this service's limit of {limits.max_messages}")
+        if request.max_tokens > limits.max_tokens:
+            raise RequestError(
+                f"max_tokens {request.max_tokens} exceeds this service's limit of {limits.max_tokens}: lower it"
+            )
+        tokens = len(prompt_ids(self.tokenizer, request))
+        if tokens > limits.max_prompt_tokens:
+            raise RequestError(
+                f"the prompt has {tokens} tokens, over this service's limit of {limits.max_prompt_tokens}: shorten it"
+            )
+        if options.drafter is not None and options.drafter not in self.drafters:
+            raise RequestError(f"unknown drafter {options.drafter!r}: use one of {', '.join(self.drafters)} or omit it")
+        if options.category is not None and options.category not in self.profile.categories:
+            raise RequestError(
+                f"unknown category {options.category!r}: use one of {', '.join(self.profile.categories)} or omit it"
+            )
+        return Prepared(request, tokens, options)
+
+    # -- routing --------------------------------------------------------------------------------
+    def decide(self, prepared: Prepared, extra_load: int = 0) -> tuple[Decision, RequestFeatures]:
+        try:
+            features = request_features(
+                prepared.request,
+                prepared.options.category,
+                self.profile,
+                self.predictors,
+                self.tokenizer,
+                prepared.request.max_tokens,
+            )
+        except ProfileError as exc:
+            raise RequestError(str(exc)) from None
+        in_flight = {b: n for b, n in self.load.items() if n}
+        if extra_load:
+            in_flight["other"] = extra_load
+        snapshot = LoadSnapshot(in_flight=in_flight)
+        return decide(features, snapshot, self.profile, self.effective_policy()), features
+
+    def route(self, prepared: Prepared) -> Routed:
+        decision, features = self.decide(prepared)
+        forced = prepared.options.backend
+        backend, drafter, k, stage = decision.backend, decision.drafter, decision.k, decision.stage
+        reasons = list(decision.reasons)
+        if forced != "auto":
+            reasons = [f"forced: the request asked for the {forced} backend (the policy would pick {backend})"]
+            backend, stage = forced, "forced"
+            drafter, k = (None, None) if forced != "speculative" else self._forced_drafter(decision, prepared)
+        elif backend == "speculative" and prepared.options.drafter:
+            drafter = self.profile.drafter(prepared.options.drafter).name
+        alpha = features.alphas.get(drafter).alpha if drafter in features.alphas else None
+        return Routed(backend, drafter, k, stage, reasons, decision.concurrency, alpha, decision, features)
+
+    def _forced_drafter(self, decision: Decision, prepared: Prepared) -> tuple[str | None, int | None]:
+        if prepared.options.drafter:
+            return self.profile.drafter(prepared.options.drafter).name, None
+        specs = [c for c in decision.candidates if c.backend == "speculative"]
+        best = max(specs, key=lambda c: c.speedup, default=None)
+        return (best.drafter, best.k) if best else (None, None)
+
+    # -- running --------------------------------------------------------------------------------
+    async def run(self, prepared: Prepared, routed: Routed) -> AsyncIterator[StreamEvent]:
+        """The request's events; a backend failing mid-request is retried on the plain backend,
+        resuming after the tokens already produced, so an accepted request is never lost."""
+        self.metrics.routed(routed.backend, routed.stage)
+        sent: list[int] = []
+        backend, drafter = routed.backend, routed.drafter
+        attempts = 0
+        while True:
+            request = self._resumed(prepared.request, sent)
+            try:
+                async for event in self._tracked(backend, request, drafter):
+                    if event.error:
+                        raise RequestError(event.error)
+                    sent += event.token_ids
+                    if event.result is not None:
+                        event = event.model_copy(update={"result": self._whole(event.result, prepared, sent)})
+                        self._learn(prepared, routed, event.result)
+                        self.metrics.finished(routed.backend, event.result)
+                    yield event
+                return
+            except (RequestError, asyncio.CancelledError, GeneratorExit):
+                raise
+            except Exception as exc:  # a replica died or an engine failed: retry on plain
+                attempts += 1
+                if attempts > self.limits.retries:
+                    raise
+                log.warning("backend %s failed (%s: %s); retrying on plain", backend, type(exc).__name__, exc)
+                self.metrics.retried(backend)
+                routed.retried = True
+                backend, drafter = "plain", None
+                await asyncio.sleep(0.2 * attempts)
+
+    async def _tracked(self, backend: str, request: GenerationRequest, drafter: str | None):
+        self.load[backend] += 1
+        self.metrics.in_flight(backend, self.load[backend])
+        try:
+            async for event in self.pool.stream(backend, request.model_dump(mode="json"), drafter):
+                yield event
+        finally:
+            self.load[backend] -= 1
+            self.metrics.in_flight(backend, self.load[backend])
+
+    @staticmethod
+    def _resumed(request: GenerationRequest, sent: list[int]) -> GenerationRequest:
+        if not sent:
+            return request
+        left = request.max_tokens - len(sent)
+        return request.model_copy(update={"resume_ids": list(sent), "max_tokens": max(left, 1)})
+
+    def _whole(self, result: GenerationResult, prepared: Prepared, sent: list[int]) -> GenerationResult:
+        """After a resume the last attempt's result covers only its own tokens: widen it back."""
+        if len(result.token_ids) == len(sent):
+            return result
+        text = self.tokenizer.decode(sent[: len(sent) - len(result.token_ids)], skip_special_tokens=True)
+        return result.model_copy(
+            update={
+                "text": text + result.text,
+                "token_ids": list(sent),
+                "completion_tokens": len(sent),
+                "prompt_tokens": prepared.prompt_tokens,
+            }
+        )
+
+    def _learn(self, prepared: Prepared, routed: Routed, result: GenerationResult) -> None:
+        """The α this request achieved corrects the predictor for its drafter (and category)."""
+        stats = result.speculation
+        if stats is None or not stats.judged_tokens or routed.retried:
+            return
+        text, turns = prepared.request.text_and_turns()
+        try:
+            self.predictors.alpha.observe(
+                text,
+                turns,
+                prepared.prompt_tokens,
+                stats.drafter,
+                prepared.options.category,
+                stats.accepted_tokens,
+                stats.judged_tokens,
+            )
+        except (ProfileError, KeyError, ValueError) as exc:  # a drafter the profile never measured
+            log.info("α feedback skipped: %s", exc)
+
+    def health(self) -> dict[str, Any]:
+        m = self.profile.model
+        return {
+            "status": "ok",
+            "in_flight": {b: self.load[b] for b in BACKEND_NAMES},
+            "policy": self.policy.model_dump(mode="json"),
+            "policy_error": self.policy_error,
+            "served_drafters": self.drafters,
+            "profile": f"{m.name} {m.dtype}, measured {self.profile.created:%Y-%m-%d %H:%M} UTC",
+        }
+

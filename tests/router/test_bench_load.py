@@ -1,0 +1,281 @@
+"""`bench load` against a fake specroute service (httpx MockTransport): no server, no model. The fake
+sleeps known times, so the measured latencies can be checked, and fails some requests on purpose."""
+
+import asyncio
+import json
+
+import httpx2 as httpx
+import pytest
+from pydantic import ValidationError
+
+from backends.errors import UserError
+from router.bench_load import (
+    CellStats,
+    LoadConfig,
+    LoadReport,
+    Percentiles,
+    _level_summary,
+    _schedule,
+    render_load,
+    run_load,
+)
+
+MODEL = "SmolLM2-135M-Instruct"
+TTFT_S = 0.02
+TOKEN_S = 0.01
+SLOW_TOKEN_S = 0.04  # chat prompts: over the test's TPOT SLO
+TOKENS = 4
+LEVELS = [1, 2, 4]
+
+
+class FakeService:
+    """The HTTP contract of `specroute serve`, with fixed sleeps. Math prompts get an HTTP 500; QA
+    streams are cut before [DONE]; auto routes code to speculative and the rest to plain."""
+
+    def __init__(self) -> None:
+        self.in_flight = 0
+        self.arrivals: list[tuple[str, int]] = []  # (mode, requests in flight including this one)
+        self.auth: set[str | None] = set()
+
+    async def handler(self, request: httpx.Request) -> httpx.Response:
+        self.auth.add(request.headers.get("authorization"))
+        if request.url.path == "/healthz":
+            return httpx.Response(200, json={"status": "ok"})
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"object": "list", "data": [{"id": MODEL, "object": "model"}]})
+        assert request.url.path == "/v1/chat/completions"
+        body = json.loads(request.content)
+        assert body["model"] == MODEL and body["stream"] and body["stream_options"] == {"include_usage": True}
+        self.in_flight += 1
+        self.arrivals.append((body["specroute"]["backend"], self.in_flight))
+        if body["specroute"]["category"] == "math":
+            self.in_flight -= 1
+            error = {"message": "injected failure", "type": "server_error", "param": None, "code": 500}
+            return httpx.Response(500, json={"error": error})
+        return httpx.Response(200, content=self.stream(body), headers={"content-type": "text/event-stream"})
+
+    async def stream(self, body: dict):
+        mode, category = body["specroute"]["backend"], body["specroute"]["category"]
+        backend = mode if mode != "auto" else ("speculative" if category == "code" else "plain")
+        await asyncio.sleep(TTFT_S)
+        for i in range(TOKENS):
+            if i:
+                await asyncio.sleep(SLOW_TOKEN_S if category == "chat" else TOKEN_S)
+            yield event({"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": f"t{i} "}}]})
+            if category == "qa":
+                self.in_flight -= 1
+                return  # cut: no usage, no [DONE]
+        route = {"backend": backend, "drafter": None, "k": None, "stage": "test", "reasons": [], "retried": False}
+        usage = {"prompt_tokens": 10, "completion_tokens": TOKENS, "total_tokens": 10 + TOKENS}
+        self.in_flight -= 1  # before [DONE]: the client may start its next request as soon as it reads it
+        yield event({"object": "chat.completion.chunk", "choices": [], "usage": usage, "specroute": route})
+        yield b"data: [DONE]\n\n"
+
+
+def event(payload: dict) -> bytes:
+    return f"data: {json.dumps(payload)}\n\n".encode()
+
+
+def load(config: LoadConfig, handler) -> LoadReport:
+    async def go() -> LoadReport:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+            return await run_load(config, client=client, progress=False)
+
+    return asyncio.run(go())
+
+
+@pytest.fixture(scope="module")
+def fake() -> FakeService:
+    return FakeService()
+
+
+@pytest.fixture(scope="module")
+def config() -> LoadConfig:
+    return LoadConfig(concurrency=LEVELS, api_key="secret", slo_ttft_ms=500, slo_tpot_ms=25)
+
+
+@pytest.fixture(scope="module")
+def report(fake: FakeService, config: LoadConfig) -> LoadReport:
+    return load(config, fake.handler)
+
+
+def test_every_mode_and_level_has_its_cell_with_the_right_counts(report, config):
+    assert [(c.concurrency, c.mode) for c in report.cells] == [(c, m) for c in LEVELS for m in config.modes]
+    for cell in report.cells:
+        assert cell.requests == config.requests_at(cell.concurrency) == 8
+        in_cell = [r for r in report.records if (r.mode, r.concurrency) == (cell.mode, cell.concurrency)]
+        assert len(in_cell) == 8
+        # Round-robin over the categories: the first 8 prompts are one of each of the 7, then chat again.
+        assert sorted(r.category for r in in_cell) == sorted(["chat", "code", "summarization", "rag", "translation",
+                                                              "math", "qa", "chat"])  # fmt: skip
+    assert report.model == MODEL and {c.concurrency for c in report.levels} == set(LEVELS)
+
+
+def test_closed_loop_never_exceeds_the_level_and_modes_rotate(report, fake, config):
+    arrivals = iter(fake.arrivals)  # cells run one after another, in schedule order
+    for concurrency, mode in _schedule(config):
+        cell = [next(arrivals) for _ in range(config.requests_at(concurrency))]
+        assert {m for m, _ in cell} == {mode}
+        assert max(n for _, n in cell) == concurrency  # reached, never exceeded
+    assert next(arrivals, None) is None
+    first_per_level = [_schedule(config)[i * len(config.modes)][1] for i in range(len(LEVELS))]
+    assert len(set(first_per_level)) == len(LEVELS)
+
+
+def test_errors_are_counted_and_the_run_goes_on(report):
+    for cell in report.cells:
+        assert cell.errors == 2 and cell.error_rate == pytest.approx(2 / 8)
+    errors = [r.error for r in report.records if r.error]
+    assert any("HTTP 500: injected failure" in e for e in errors)
+    assert any("before `data: [DONE]`" in e for e in errors)
+    assert all(r.ttft_ms is None and r.completion_tokens == 0 for r in report.records if r.error)
+
+
+def test_latencies_match_the_fake_sleeps(report):
+    ok = [r for r in report.records if r.error is None]
+    for r in ok:
+        assert TTFT_S * 1e3 <= r.ttft_ms < TTFT_S * 1e3 + 150
+        slow = r.category == "chat"
+        low = (SLOW_TOKEN_S if slow else TOKEN_S) * 1e3
+        assert low * 0.9 <= r.tpot_ms < low + 40
+        assert r.completion_tokens == TOKENS and r.e2e_ms >= r.ttft_ms
+    for cell in report.cells:
+        assert cell.ttft_ms.p50 <= cell.ttft_ms.p90 <= cell.ttft_ms.p99
+        assert cell.output_tokens_per_s == pytest.approx(6 * TOKENS / cell.wall_s)
+
+
+def test_served_by_comes_from_the_final_chunk(report):
+    for cell in report.cells:
+        if cell.mode == "auto":
+            # 6 successes: one code prompt routed to speculative, the rest to plain.
+            assert cell.served_by == pytest.approx({"plain": 5 / 6, "speculative": 1 / 6})
+        else:
+            assert cell.served_by == {cell.mode: 1.0}
+    assert all(r.route["stage"] == "test" for r in report.records if r.error is None)
+
+
+def test_goodput_counts_only_requests_meeting_the_slo(report):
+    for cell in report.cells:
+        # 8 requests: 2 errors, 2 chat prompts over the 25 ms TPOT SLO, 4 within it.
+        assert cell.slo_met == 4
+        assert cell.goodput_rps == pytest.approx(4 / cell.wall_s)
+
+
+def test_the_report_round_trips_as_json_and_carries_the_api_key(report, fake):
+    assert LoadReport.model_validate_json(report.model_dump_json()) == report
+    assert fake.auth == {"Bearer secret"}
+
+
+def test_render_has_a_row_per_mode_and_the_router_comparison(report):
+    text = render_load(report)
+    for level in LEVELS:
+        assert f"c={level} (8 requests per mode)" in text
+        assert f"c={level}: best fixed " in text and f"c={level}: best overall: " in text
+    assert text.count("  auto ") == len(LEVELS)
+    assert "router worse than the best fixed backend (by more than 2%) at: " in text
+
+
+def cell(mode: str, tokens_per_s: float, goodput: float, concurrency: int = 8) -> CellStats:
+    p = Percentiles(p50=10.0, p90=20.0, p99=30.0)
+    return CellStats(
+        mode=mode,
+        concurrency=concurrency,
+        requests=16,
+        errors=0,
+        error_rate=0.0,
+        wall_s=1.0,
+        ttft_ms=p,
+        tpot_ms=p,
+        e2e_ms=p,
+        output_tokens_per_s=tokens_per_s,
+        slo_met=int(goodput),
+        goodput_rps=goodput,
+        served_by={"plain" if mode == "auto" else mode: 1.0},
+    )
+
+
+def test_router_worse_than_a_fixed_backend_is_called_out():
+    cells = [cell("auto", 39.0, 3.5), cell("speculative", 30.0, 3.0), cell("plain", 41.2, 4.0)]
+    cells += [cell("auto", 50.0, 5.0, 16), cell("plain", 45.0, 4.0, 16)]
+    levels = [_level_summary(8, cells[:3]), _level_summary(16, cells[3:])]
+    assert levels[0].best_tokens_mode == "plain" and levels[0].router_tokens_ratio == pytest.approx(39 / 41.2)
+    assert levels[0].router_worse and not levels[1].router_worse
+    config = LoadConfig(concurrency=[8, 16], modes=["auto", "speculative", "plain"])
+    report = LoadReport(config=config, model=MODEL, started="now", cells=cells, levels=levels, records=[])
+    text = render_load(report)
+    assert "c=8: best fixed plain 41.2 tok/s; router 39.0 tok/s = 0.95×" in text
+    assert "c=8: best fixed by goodput plain 4.00/s; router 3.50/s = 0.88×" in text
+    assert "c=8: best overall: tok/s plain, goodput plain" in text
+    assert "router worse than the best fixed backend (by more than 2%) at: c=8 (tok/s 0.95×, goodput 0.88×)" in text
+    only_router = [_level_summary(8, [cell("auto", 39.0, 4.0)])]
+    report = report.model_copy(update={"cells": cells[:1], "levels": only_router})
+    assert "router vs fixed backends: not compared" in render_load(report)
+
+
+def test_config_defaults():
+    config = LoadConfig()
+    assert config.concurrency == [1, 2, 4, 8, 16, 32] and config.modes == ["auto", "speculative", "plain", "quantized"]
+    assert (config.requests_at(1), config.requests_at(16)) == (8, 32)
+    assert LoadConfig(requests_per_level=3).requests_at(32) == 3
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"concurrency": [2, 1]}, "strictly increasing"),
+        ({"concurrency": [1, 1]}, "strictly increasing"),
+        ({"concurrency": [0, 1]}, "greater than or equal to 1"),
+        ({"modes": ["auto", "plain", "auto"]}, "must not repeat"),
+        ({"modes": ["fast"]}, "literal_error"),
+        ({"categories": ["chat", "poetry"]}, "unknown categories ['poetry']"),
+        ({"max_tokens": 0}, "greater than or equal to 1"),
+        ({"threads": 4}, "extra"),
+    ],
+)
+def test_config_validation(fields, message):
+    with pytest.raises(ValidationError) as info:
+        LoadConfig(**fields)
+    assert message in str(info.value) or message in repr(info.value.errors())
+
+
+def test_categories_narrow_the_mix():
+    fake = FakeService()
+    config = LoadConfig(concurrency=[2], modes=["plain"], categories=["code"], requests_per_level=3)
+    report = load(config, fake.handler)
+    assert {r.category for r in report.records} == {"code"}
+    assert [r.prompt_id for r in report.records] != [] and report.cells[0].errors == 0
+
+
+def test_unreachable_service_is_a_user_error():
+    def refuse(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("connection refused", request=request)
+
+    with pytest.raises(UserError, match=r"no specroute service at http://127\.0\.0\.1:8000: start one with `spec"):
+        load(LoadConfig(), refuse)
+    # Without an injected client: a real connection to a port nothing listens on.
+    with pytest.raises(UserError, match="no specroute service at http://127.0.0.1:9"):
+        asyncio.run(run_load(LoadConfig(url="http://127.0.0.1:9"), progress=False))
+
+
+def test_unhealthy_service_and_unknown_model_are_user_errors():
+    def unhealthy(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(503, json={"error": {"message": "backends loading", "type": "unavailable"}})
+
+    with pytest.raises(UserError, match="/healthz with HTTP 503: backends loading"):
+        load(LoadConfig(), unhealthy)
+    with pytest.raises(UserError, match="model 'other' is not served"):
+        load(LoadConfig(model="other"), FakeService().handler)
+
+
+def test_an_in_band_error_event_is_an_error():
+    fake = FakeService()
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path != "/v1/chat/completions":
+            return await fake.handler(request)
+        failure = {"error": {"message": "the request failed mid-stream (RuntimeError)", "type": "server_error"}}
+        return httpx.Response(200, content=event(failure) + b"data: [DONE]\n\n")
+
+    report = load(LoadConfig(concurrency=[1], modes=["auto"], requests_per_level=2), handler)
+    assert report.cells[0].errors == 2 and report.cells[0].served_by == {}
+    assert report.records[0].error == "error event: the request failed mid-stream (RuntimeError)"

@@ -1,0 +1,223 @@
+"""The running Ray Serve application (session fixture in conftest.py): the official `openai`
+client, routing that follows load, `/v1/advise`, hot policy reloads, bad input on the live app, and
+a backend replica killed during a burst without losing a request. The kill test runs last."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any
+
+import httpx2 as httpx
+import openai
+import pytest
+
+from tests.router.conftest import POLICY, Service
+
+pytestmark = pytest.mark.slow
+MODEL = "SmolLM2-135M-Instruct"
+COPY_PROMPT = (
+    "Repeat this list exactly, twice: apples, pears, plums, cherries, apricots, peaches, grapes, lemons, limes."
+)
+
+
+def client(service: Service) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{service.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def chat_body(content: str, **extra: Any) -> dict[str, Any]:
+    return {"model": MODEL, "messages": [{"role": "user", "content": content}], "temperature": 0, **extra}
+
+
+def test_openai_client_chat_completions_and_streaming(service):
+    api = client(service)
+    assert [m.id for m in api.models.list().data] == [MODEL]
+    chat = api.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Name a colour."}], max_tokens=8, temperature=0
+    )
+    assert chat.choices[0].message.content and chat.usage.completion_tokens <= 8
+    assert chat.choices[0].finish_reason in ("stop", "length")
+    info = chat.model_extra["specroute"]
+    assert info["backend"] in ("speculative", "plain", "quantized") and info["reasons"]
+
+    text = api.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=6, temperature=0)
+    assert text.choices[0].text and text.usage.completion_tokens <= 6
+
+    stream = api.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Name a colour."}],
+        max_tokens=8,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == chat.choices[0].message.content  # greedy: the same text, streamed or not
+    assert chunks[-1].usage.completion_tokens == chat.usage.completion_tokens
+
+
+def test_every_backend_gives_the_greedy_answer_of_the_full_precision_target(service):
+    api = client(service)
+    answers = {}
+    for backend in ("speculative", "plain", "quantized"):
+        reply = api.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": COPY_PROMPT}],
+            max_tokens=24,
+            temperature=0,
+            extra_body={"specroute": {"backend": backend, "category": "copy"}},
+        )
+        assert reply.model_extra["specroute"]["backend"] == backend
+        answers[backend] = reply.choices[0].message.content
+    assert answers["speculative"] == answers["plain"]  # lossless
+    stats = reply.model_extra["specroute"]
+    assert stats["stage"] == "forced"
+
+
+def test_a_lone_copy_request_goes_speculative_and_reports_alpha(service):
+    body = chat_body(COPY_PROMPT, max_tokens=32, specroute={"category": "copy"})
+    reply = httpx.post(f"{service.url}/v1/chat/completions", json=body, timeout=120).json()
+    info = reply["specroute"]
+    assert info["backend"] == "speculative" and info["stage"] == "speculation" and info["drafter"] == "ngram"
+    assert info["concurrency"] == 1 and any("speculat" in r for r in info["reasons"])
+    assert info["draft_tokens"] > 0 and 0 <= info["alpha"] <= 1 and info["accepted_tokens"] >= 0
+
+
+def test_under_concurrency_the_router_moves_work_to_the_large_batch_backend(service):
+    async def burst() -> list[dict[str, Any]]:
+        async with httpx.AsyncClient(timeout=300) as http:
+            body = chat_body(COPY_PROMPT, max_tokens=24, specroute={"category": "copy"})
+            replies = await asyncio.gather(
+                *[http.post(f"{service.url}/v1/chat/completions", json=body) for _ in range(16)]
+            )
+        return [r.json()["specroute"] for r in replies]
+
+    infos = asyncio.run(burst())
+    backends = [i["backend"] for i in infos]
+    assert "speculative" in backends and "plain" in backends, backends
+    busiest = max(infos, key=lambda i: i["concurrency"])
+    assert busiest["backend"] == "plain" and busiest["stage"] == "batching"
+    assert any("compute-bound" in r for r in busiest["reasons"])
+    assert any("floor" in r for r in busiest["reasons"])  # int8 is refused on quality
+
+
+def test_advise_explains_without_running(service):
+    body = {"prompt": COPY_PROMPT, "max_tokens": 32, "specroute": {"category": "copy"}}
+    alone = httpx.post(f"{service.url}/v1/advise", json=body, timeout=60).json()
+    busy = httpx.post(f"{service.url}/v1/advise", json={**body, "concurrency": 48}, timeout=60).json()
+    assert alone["backend"] == "speculative" and alone["reasons"] and alone["candidates"]
+    assert busy["backend"] != "speculative" and busy["concurrency"] == 48
+    bad = httpx.post(f"{service.url}/v1/advise", json={"max_tokens": 3}, timeout=60)
+    assert bad.status_code == 400 and "prompt" in bad.json()["error"]["message"]
+
+
+def test_hot_policy_reload_applies_good_policies_and_refuses_bad_ones(service):
+    body = chat_body(COPY_PROMPT, max_tokens=8, specroute={"category": "copy"})
+
+    def routed() -> dict[str, Any]:
+        return httpx.post(f"{service.url}/v1/chat/completions", json=body, timeout=120).json()["specroute"]
+
+    def health() -> dict[str, Any]:
+        return httpx.get(f"{service.url}/healthz", timeout=30).json()
+
+    try:
+        service.redeploy({**POLICY, "speculation": {"enabled": False}})
+        _wait(lambda: health()["policy"]["speculation"]["enabled"] is False)
+        assert routed()["backend"] == "plain"
+        service.redeploy({**POLICY, "speculation": {"enabled": "maybe"}})
+        _wait(lambda: health()["policy_error"] is not None)
+        assert "speculation.enabled" in health()["policy_error"]
+        assert routed()["backend"] == "plain"  # the last good policy still rules
+    finally:
+        service.redeploy(POLICY)
+        _wait(lambda: health()["policy_error"] is None and health()["policy"]["speculation"]["enabled"])
+    assert routed()["backend"] == "speculative"
+
+
+BAD_BODIES = [
+    b"{not json",
+    json.dumps([1, 2]).encode(),
+    json.dumps({"model": MODEL}).encode(),
+    json.dumps(chat_body("hi", temperature=-1)).encode(),
+    json.dumps(chat_body("hi", max_tokens=0)).encode(),
+    json.dumps(chat_body("hi", max_tokens=100_000)).encode(),
+    json.dumps(chat_body("hi", n=3)).encode(),
+    json.dumps(chat_body("hi", specroute={"backend": "gpu"})).encode(),
+    json.dumps(chat_body("hi", surprise=True)).encode(),
+    json.dumps(chat_body("word " * 3000)).encode(),
+    json.dumps({**chat_body("hi"), "model": "gpt-4"}).encode(),
+    b"x" * 70_000,
+]
+
+
+def test_the_live_app_refuses_bad_input_with_4xx_and_keeps_serving(service):
+    for raw in BAD_BODIES:
+        response = httpx.post(
+            f"{service.url}/v1/chat/completions", content=raw, headers={"Content-Type": "application/json"}, timeout=60
+        )
+        assert 400 <= response.status_code < 500, (raw[:80], response.status_code, response.text)
+        assert response.json()["error"]["message"]
+    ok = httpx.post(f"{service.url}/v1/chat/completions", json=chat_body("Say hi.", max_tokens=4), timeout=120)
+    assert ok.status_code == 200
+
+
+def test_zz_killing_a_backend_replica_during_a_burst_loses_no_request(service):
+    async def one(http: httpx.AsyncClient, started: asyncio.Event) -> dict[str, Any]:
+        body = chat_body(COPY_PROMPT, max_tokens=40, stream=True, specroute={"backend": "speculative"})
+        text, last = "", None
+        async with http.stream("POST", f"{service.url}/v1/chat/completions", json=body) as response:
+            assert response.status_code == 200
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                assert "error" not in chunk, chunk
+                if chunk["choices"]:
+                    text += chunk["choices"][0]["delta"].get("content") or ""
+                    started.set()
+                last = chunk
+        return {"text": text, "info": last["specroute"], "finish": last["choices"][0]["finish_reason"]}
+
+    async def burst() -> list[dict[str, Any]]:
+        started = asyncio.Event()
+        async with httpx.AsyncClient(timeout=300) as http:
+            tasks = [asyncio.create_task(one(http, started)) for _ in range(6)]
+            await asyncio.wait_for(started.wait(), 120)
+            _kill_replica("SpeculativeBackend")
+            return await asyncio.gather(*tasks)
+
+    reference = client(service).chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": COPY_PROMPT}],
+        max_tokens=40,
+        temperature=0,
+        extra_body={"specroute": {"backend": "plain"}},
+    )
+    results = asyncio.run(burst())
+    assert len(results) == 6
+    assert any(r["info"]["retried"] for r in results)
+    for r in results:
+        assert r["text"] == reference.choices[0].message.content  # nothing lost, nothing repeated
+
+
+def _kill_replica(deployment: str) -> None:
+    import ray
+
+    names = [a for a in ray.util.list_named_actors(all_namespaces=True) if f"#{deployment}#" in a["name"]]
+    assert names, "no replica of " + deployment
+    for actor in names:
+        ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]), no_restart=True)
+
+
+def _wait(condition, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if condition():
+                return
+        except (httpx.HTTPError, KeyError):
+            pass
+        time.sleep(0.5)
+    raise AssertionError("condition not reached in time")
