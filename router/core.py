@@ -10,7 +10,7 @@ import asyncio
 import logging
 from collections import Counter
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -81,7 +81,6 @@ class Routed:
     decision: Decision
     features: RequestFeatures
     retried: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def info(self, result: GenerationResult | None) -> SpecrouteInfo:
         stats = result.speculation if result is not None else None

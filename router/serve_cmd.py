@@ -96,7 +96,7 @@ def apply_config(config: dict[str, Any]) -> None:
     from ray.serve.context import _get_global_client
     from ray.serve.schema import ServeDeploySchema
 
-    _get_global_client().deploy_apps(ServeDeploySchema.parse_obj(config))
+    _get_global_client().deploy_apps(ServeDeploySchema.model_validate(config))
 
 
 def wait_ready(url: str, timeout_s: float = READY_TIMEOUT_S) -> None:

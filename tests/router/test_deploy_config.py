@@ -14,7 +14,7 @@ DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 
 
 def _apps(config: dict) -> list[dict]:
-    ServeDeploySchema.parse_obj(config)  # what `serve run` / `serve deploy` validate it with
+    ServeDeploySchema.model_validate(config)  # what `serve run` / `serve deploy` validate it with
     return config["applications"]
 
 
