@@ -7,7 +7,7 @@
   concurrency goes.
 - `QuantizedBackend`: the plain engine over the int8 target (`backends.quantized`).
 
-Each exposes `generate(request)` — an async stream of `StreamEvent`s — and `describe()`. A request
+Each exposes `generate(request)` — an async stream of `StreamEvent`s. A request
 the engine cannot serve (too long for the context, …) gets an event with `error` instead of
 failing the batch it would have joined. Torch threads are set per replica: Ray starts replicas with
 one, and several replicas on few cores must not oversubscribe them.
@@ -100,13 +100,9 @@ class _Backend:
     def _run(self, jobs: Sequence[_Job], listeners: Sequence[TokenListener]) -> list[GenerationResult]:
         raise NotImplementedError
 
-    def describe(self) -> dict[str, Any]:
-        return {"backend": self.name, "model": self.loaded.info.as_dict(), "settings": self.settings.model_dump()}
-
 
 class _PlainShell(_Backend):
-    def _build_engine(self, loaded: LoadedModel) -> None:
-        self.engine = PlainEngine(loaded)
+    engine: PlainEngine
 
     def _run(self, jobs: Sequence[_Job], listeners: Sequence[TokenListener]) -> list[GenerationResult]:
         return self.engine.generate([job.request for job in jobs], listeners)
@@ -118,7 +114,7 @@ class PlainBackend(_PlainShell):
 
     def __init__(self, settings: dict[str, Any]):
         super().__init__(settings)
-        self._build_engine(self.loaded)
+        self.engine = PlainEngine(self.loaded)
 
 
 @serve.deployment(name="QuantizedBackend", ray_actor_options={"num_cpus": 0.5}, max_ongoing_requests=256)
@@ -128,10 +124,7 @@ class QuantizedBackend(_PlainShell):
     def __init__(self, settings: dict[str, Any]):
         super().__init__(settings)
         self.int8 = quantize(self.loaded, calibration_ids(self.checker), self.settings.quantization)
-        self._build_engine(self.int8)
-
-    def describe(self) -> dict[str, Any]:
-        return {**super().describe(), "model": self.int8.info.as_dict()}
+        self.engine = PlainEngine(self.int8)
 
 
 @serve.deployment(name="SpeculativeBackend", ray_actor_options={"num_cpus": 0.5}, max_ongoing_requests=64)
@@ -169,9 +162,6 @@ class SpeculativeBackend(_Backend):
             results.update(zip(rows, out, strict=True))
         return [results[i] for i in range(len(jobs))]
 
-    def describe(self) -> dict[str, Any]:
-        names = sorted({e.drafter.name for e in self.engines.values()})
-        return {**super().describe(), "drafters": names}
 
 
 def calibration_ids(engine: PlainEngine) -> list[list[int]]:

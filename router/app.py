@@ -23,7 +23,7 @@ from backends.generation import GenerationResult
 from backends.streaming import StreamEvent
 
 from .advise import to_advice
-from .core import Prepared, Routed, RouterCore
+from .core import Routed, RouterCore
 from .schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -228,12 +228,12 @@ async def _first_event(events: AsyncIterator[StreamEvent]) -> StreamEvent:
         raise ApiError(503, f"no backend could serve the request ({type(exc).__name__}); retry later") from None
 
 
+def _usage(result: GenerationResult) -> Usage:
+    total = result.prompt_tokens + result.completion_tokens
+    return Usage(prompt_tokens=result.prompt_tokens, completion_tokens=result.completion_tokens, total_tokens=total)
+
+
 def _completion_body(result: GenerationResult, routed: Routed, model: str, chat: bool) -> dict[str, Any]:
-    usage = Usage(
-        prompt_tokens=result.prompt_tokens,
-        completion_tokens=result.completion_tokens,
-        total_tokens=result.prompt_tokens + result.completion_tokens,
-    )
     if chat:
         choice = {
             "index": 0,
@@ -251,7 +251,7 @@ def _completion_body(result: GenerationResult, routed: Routed, model: str, chat:
         "created": now(),
         "model": model,
         "choices": [choice],
-        "usage": usage.model_dump(),
+        "usage": _usage(result).model_dump(),
         "specroute": routed.info(result).model_dump(),
     }
 
@@ -298,12 +298,7 @@ async def _sse(
     finish = result.finish_reason if result else "stop"
     if include_usage and result is not None:
         yield chunk(None, finish)
-        usage = Usage(
-            prompt_tokens=result.prompt_tokens,
-            completion_tokens=result.completion_tokens,
-            total_tokens=result.prompt_tokens + result.completion_tokens,
-        )
-        yield chunk(None, None, no_choices=True, usage=usage.model_dump(), specroute=info)
+        yield chunk(None, None, no_choices=True, usage=_usage(result).model_dump(), specroute=info)
     else:
         yield chunk(None, finish, specroute=info)
     yield "data: [DONE]\n\n"
@@ -313,9 +308,9 @@ def _advise(request: Request, body: AdviseRequest) -> dict[str, Any]:
     core = _core(request)
     try:
         generation = _advise_generation(body)
-        prepared: Prepared = core.prepare(generation, body.specroute) if generation else None
-        if prepared is None:
+        if generation is None:
             raise RequestError("give 'prompt' or 'messages'")
+        prepared = core.prepare(generation, body.specroute)
         live = sum(core.load.values())
         extra = (body.concurrency - 1 - live) if body.concurrency else 0
         decision, features = core.decide(prepared, extra_load=max(extra, 0))
