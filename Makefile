@@ -8,7 +8,7 @@ PROMPT ?= What is the capital of France?
 # a CPU build, e.g. make test TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu"
 TORCH_PIP_ARGS ?=
 
-.PHONY: install model run generate test lint bench clean
+.PHONY: install model run generate test lint bench drafters clean
 
 # torch goes in first and pinned, so the project's `torch>=2.4` is already satisfied and pip
 # never resolves a bare `torch` requirement to a multi-GB CUDA build.
@@ -41,6 +41,14 @@ lint: install
 
 bench: model
 	$(BIN)/specroute bench plain
+
+# Retrains the drafters shipped for the embedded model, as their cards record (~1 h on 2 cores,
+# most of it self-distillation and features, cached under SPECROUTE_HOME for the next run).
+DRAFTERS := backends/speculative/defaults/smollm2-135m-instruct
+drafters: model
+	$(BIN)/specroute train-drafter --kind eagle --minutes 12 --out $(DRAFTERS)
+	$(BIN)/specroute train-drafter --kind medusa --minutes 6 --out $(DRAFTERS)
+	$(BIN)/specroute train-drafter --kind early-exit --minutes 5 --out $(DRAFTERS)
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache

@@ -17,3 +17,7 @@ class ModelSetupError(UserError):
 
 class RequestError(UserError):
     """A request the engine cannot serve as given."""
+
+
+class TrainingError(UserError):
+    """Drafter training cannot run with the settings given."""

@@ -19,7 +19,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic_core import ErrorDetails, PydanticCustomError
 
-Drafter = Literal["ngram", "model", "early-exit"]
+Drafter = Literal["ngram", "model", "early-exit", "eagle", "medusa", "early-exit-adapter"]
 
 # Errors raised by our own validators carry this type: their message is already complete, and a
 # rule spanning several fields names them in ctx["path"] because its pydantic loc is the parent.
@@ -49,7 +49,8 @@ class SpeculationConfig(_Section):
     enabled: bool = Field(True, description="Allow the speculative-decoding backend at all.")
     drafters: list[Drafter] = Field(
         default_factory=lambda: ["ngram", "model"],
-        description="Drafters the policy may choose between (ngram, model, early-exit); each must be profiled.",
+        description="Drafters the policy may choose between (ngram, model, early-exit, eagle, medusa, "
+        "early-exit-adapter); each must be profiled.",
     )
     k_min: int = Field(1, ge=1, description="Fewest draft tokens per verification step the policy may pick.")
     k_max: int = Field(8, ge=1, le=32, description="Most draft tokens per verification step the policy may pick.")

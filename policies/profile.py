@@ -91,7 +91,7 @@ class DrafterProfile(_Frozen):
     """One drafter's cost: seconds per sequential draft step by batch (c = that over a target step)."""
 
     name: str = Field(description="the engine's drafter name, e.g. 'ngram' or 'model:SmolLM2-135M-Instruct@bfloat16'")
-    kind: Literal["ngram", "model", "early-exit"]
+    kind: Literal["ngram", "model", "early-exit", "eagle", "medusa", "early-exit-adapter"]
     batches: list[int] = Field(min_length=1)
     step_seconds: list[float] = Field(min_length=1, description="one draft step (one token per sequence)")
     probed_seconds: list[float] | None = Field(None, description="a bare forward pass of the draft model, by batch")

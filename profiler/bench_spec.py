@@ -37,7 +37,9 @@ class BenchSpecConfig(ModelSettings):
     max_tokens: int = Field(96, ge=2, le=2048, description="upper bound per request; EOS ends a request earlier")
     categories: list[str] | None = Field(None, description="default: every category of the prompt set")
     prompts_per_category: int = Field(3, ge=1)
-    drafters: list[DrafterKind] = Field(default_factory=lambda: ["ngram", "model", "early-exit"], min_length=1)
+    drafters: list[DrafterKind] = Field(
+        default_factory=lambda: ["ngram", "model", "eagle", "medusa", "early-exit-adapter"], min_length=1
+    )
     fixed_k: int = Field(4, ge=1, le=32)
     k_max: int = Field(8, ge=1, le=32)
     drafter: DrafterConfig = Field(default_factory=DrafterConfig, description="drafter options (kind is ignored)")

@@ -53,7 +53,8 @@ def as_target(samples: Sequence[AcceptanceSample], target: Target) -> list[Accep
     ]
 
 
-DRAFTER_KINDS = ("ngram", "model", "early-exit")
+# Longest prefix first: "early-exit-adapter" is not an "early-exit-<layers>".
+DRAFTER_KINDS = ("ngram", "model", "early-exit-adapter", "early-exit", "eagle", "medusa")
 ANY_CATEGORY = "*"
 # Below this many prompts a drafter gets its weighted mean α: a regression would fit noise.
 MIN_SAMPLES_TO_REGRESS = 6

@@ -31,6 +31,7 @@ INPUT_NAMES = {
     "ServiceSettings": "service settings",
     "BackendSettings": "backend settings",
     "LoadConfig": "load settings",
+    "TrainConfig": "train-drafter settings",
 }
 
 
@@ -49,6 +50,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (UserError, ProfileError, PolicyError) as exc:  # anything else is a bug and keeps its traceback
         print(f"error: {exc}", file=sys.stderr)
     return 2
+
+
+WEIGHTS_HELP = (
+    "eagle, medusa, early-exit-adapter: 'default' (shipped for the embedded model), or a directory / "
+    ".safetensors from `specroute train-drafter`"
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -107,6 +114,13 @@ def build_parser() -> argparse.ArgumentParser:
             run_serve,
         ),
         (
+            commands,
+            "train-drafter",
+            "train an EAGLE head, Medusa heads or an early-exit adapter on the target's own outputs",
+            _add_train_drafter_args,
+            run_train_drafter,
+        ),
+        (
             benches,
             "load",
             "closed-loop load on the running service: router vs every backend forced, per concurrency",
@@ -125,12 +139,18 @@ def _add_drafter_option_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft-model", default="embedded", help="model drafter: the draft model (same tokenizer)")
     parser.add_argument("--draft-dtype", default="bfloat16", help="model drafter: float32 or bfloat16")
     parser.add_argument("--exit-layer", type=int, default=4, help="early-exit drafter: target layers used")
+    parser.add_argument("--drafter-weights", default="default", help=WEIGHTS_HELP)
 
 
 def _drafter_options(args: argparse.Namespace) -> object:
     from backends.speculative.factory import DrafterConfig
 
-    return DrafterConfig(draft_model=args.draft_model, draft_dtype=args.draft_dtype, exit_layer=args.exit_layer)
+    return DrafterConfig(
+        draft_model=args.draft_model,
+        draft_dtype=args.draft_dtype,
+        exit_layer=args.exit_layer,
+        weights=args.drafter_weights,
+    )
 
 
 def _add_profile_args(parser: argparse.ArgumentParser) -> None:
@@ -203,7 +223,9 @@ def _add_generate_args(parser: argparse.ArgumentParser) -> None:
 def _add_speculative_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("speculative decoding")
     group.add_argument(
-        "--speculative", choices=["ngram", "model", "early-exit"], help="draft with this drafter (default: plain)"
+        "--speculative",
+        choices=["ngram", "model", "early-exit", "eagle", "medusa", "early-exit-adapter"],
+        help="draft with this drafter (default: plain)",
     )
     group.add_argument("--k", help="drafted tokens per step: an integer, or auto (default)")
     group.add_argument("--k-max", type=int, default=8, help="largest k that --k auto may choose")
@@ -212,6 +234,7 @@ def _add_speculative_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--draft-model", default="embedded", help="model: the draft model (same tokenizer)")
     group.add_argument("--draft-dtype", default="bfloat16", help="model: float32 or bfloat16")
     group.add_argument("--exit-layer", type=int, default=4, help="early-exit: target layers used to draft")
+    group.add_argument("--drafter-weights", default="default", help=WEIGHTS_HELP)
 
 
 def _add_bench_plain_args(parser: argparse.ArgumentParser) -> None:
@@ -226,12 +249,15 @@ def _add_bench_spec_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=96, help="upper bound per request (EOS ends earlier)")
     parser.add_argument("--categories", help="comma-separated categories (default: all)")
     parser.add_argument("--prompts", type=int, default=3, help="prompts per category")
-    parser.add_argument("--drafters", default="ngram,model,early-exit", help="comma-separated drafters")
+    parser.add_argument(
+        "--drafters", default="ngram,model,eagle,medusa,early-exit-adapter", help="comma-separated drafters"
+    )
     parser.add_argument("--fixed-k", type=int, default=4, help="the fixed k each drafter also runs at")
     parser.add_argument("--k-max", type=int, default=8, help="largest k that auto may choose")
     parser.add_argument("--draft-model", default="embedded", help="model drafter: the draft model")
     parser.add_argument("--draft-dtype", default="bfloat16", help="model drafter: float32 or bfloat16")
     parser.add_argument("--exit-layer", type=int, default=4, help="early-exit drafter: layers used")
+    parser.add_argument("--drafter-weights", default="default", help=WEIGHTS_HELP)
     parser.add_argument("--no-transformers", action="store_true", help="skip transformers' assisted generation")
     parser.add_argument("--out", default="bench-spec.json", help="where the JSON results go ('-' for none)")
     parser.add_argument("--json", action="store_true", help="print the JSON instead of the tables")
@@ -262,6 +288,47 @@ def _add_bench_load_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key", help="Bearer key, if the service needs one")
     parser.add_argument("--out", default="bench-load.json", help="where the JSON results go ('-' for none)")
     parser.add_argument("--json", action="store_true", help="print the JSON instead of the table")
+
+
+def _add_train_drafter_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--kind", required=True, choices=["eagle", "medusa", "early-exit"], help="what to train")
+    parser.add_argument("--minutes", type=float, default=10.0, help="training time budget (data generation excluded)")
+    parser.add_argument("--out", help="directory for <kind>.safetensors + .json (default: SPECROUTE_HOME/drafters/…)")
+    parser.add_argument("--prompts", type=int, help="use only this many training prompts (default: all)")
+    parser.add_argument("--max-new-tokens", type=int, default=128, help="longest self-distilled answer")
+    parser.add_argument("--draft-vocab", type=int, default=16384, help="tokens the drafter may propose; 0 = all")
+    parser.add_argument("--heads", type=int, default=4, help="medusa: number of heads")
+    parser.add_argument("--exit-layer", type=int, default=8, help="early-exit: target layers under the adapter")
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--data-dir", help="self-distillation cache (default: SPECROUTE_HOME/drafter-data)")
+    _add_model_args(parser)
+
+
+def run_train_drafter(args: argparse.Namespace) -> int:
+    from backends.models import load_model
+    from backends.training.train import TrainConfig, render_card, train_drafter
+
+    config = TrainConfig(
+        kind=args.kind,
+        minutes=args.minutes,
+        out=Path(args.out) if args.out else None,
+        prompts=args.prompts,
+        max_new_tokens=args.max_new_tokens,
+        draft_vocab=args.draft_vocab,
+        heads=args.heads,
+        exit_layer=args.exit_layer,
+        lr=args.lr,
+        seed=args.seed,
+        data_root=Path(args.data_dir) if args.data_dir else None,
+    )
+    _quiet_model_loading()
+    loaded = load_model(args.model, args.dtype, args.device, args.threads)
+    path, card = train_drafter(config, loaded, log=lambda line: print(line, file=sys.stderr))
+    print(render_card(card))
+    print(f"\nweights: {path}\ncard:    {path.with_suffix('.json')}")
+    print(f"use it:  specroute generate --speculative {card.kind} --drafter-weights {path.parent} \"PROMPT\"")
+    return 0
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -338,7 +405,7 @@ def _engine(args: argparse.Namespace, loaded: object) -> object:
 
     if args.speculative is None:
         if args.k is not None:
-            raise UsageError("--k needs --speculative: pick a drafter (ngram, model or early-exit)")
+            raise UsageError("--k needs --speculative: pick a drafter (e.g. ngram, eagle or medusa)")
         return PlainEngine(loaded)
     from backends.speculative.engine import SpeculativeEngine
     from backends.speculative.factory import DrafterConfig, build_drafter
@@ -350,6 +417,7 @@ def _engine(args: argparse.Namespace, loaded: object) -> object:
         draft_model=args.draft_model,
         draft_dtype=args.draft_dtype,
         exit_layer=args.exit_layer,
+        weights=args.drafter_weights,
     )
     return SpeculativeEngine(
         loaded, build_drafter(drafter_config, loaded), k=parse_k(args.k or "auto"), k_max=args.k_max
@@ -384,7 +452,6 @@ def run_bench_plain(args: argparse.Namespace) -> int:
 
 
 def run_bench_spec(args: argparse.Namespace) -> int:
-    from backends.speculative.factory import DrafterConfig
     from profiler.bench_spec import BenchSpecConfig, render_report, run_bench_spec
 
     config = BenchSpecConfig(
@@ -395,7 +462,7 @@ def run_bench_spec(args: argparse.Namespace) -> int:
         drafters=_str_list(args.drafters),
         fixed_k=args.fixed_k,
         k_max=args.k_max,
-        drafter=DrafterConfig(draft_model=args.draft_model, draft_dtype=args.draft_dtype, exit_layer=args.exit_layer),
+        drafter=_drafter_options(args),
         transformers=not args.no_transformers,
     )
     _quiet_model_loading()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import copy
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -51,6 +51,10 @@ class Proposal:
 
 class Drafter(ABC):
     name: str = "drafter"
+    # Hidden-state indices of the target (0 = embeddings, last = post-norm) this drafter reads;
+    # when non-empty the engine starts it right after prefill and calls `observe_target`.
+    feature_layers: tuple[int, ...] = ()
+    max_draft: int | None = None  # the most tokens one proposal can hold (None: no limit)
 
     def start(self, rows: Sequence[DraftRow]) -> None:  # noqa: B027 - optional hook
         """A new batch begins; rows hold the prompt and the first generated token."""
@@ -65,6 +69,11 @@ class Drafter(ABC):
 
     def select(self, rows: Sequence[int]) -> None:  # noqa: B027 - optional hook
         """Only these rows remain in the batch (the others finished)."""
+
+    def observe_target(self, features: Sequence[torch.Tensor]) -> None:  # noqa: B027 - optional hook
+        """Per row, the target's hidden states (`feature_layers` concatenated) of the tokens that
+        just became verified context, in order: after prefill the whole prompt, after each step
+        the pending token and the accepted drafts. The row's newest token has none yet."""
 
     @abstractmethod
     def fresh(self) -> Drafter:
@@ -131,7 +140,7 @@ class ModelDrafter(Drafter):
     name = "model"
 
     def __init__(self, model: PreTrainedModel, pad_id: int, target_vocab: int):
-        vocab = model.get_output_embeddings().weight.shape[0]
+        vocab = model.config.vocab_size  # a draft-vocabulary head still scores the full vocabulary
         if vocab != target_vocab:
             raise ModelLoadError(
                 f"the draft model's vocabulary ({vocab} tokens) differs from the target's ({target_vocab}): "
@@ -157,26 +166,17 @@ class ModelDrafter(Drafter):
         if steps == 0:
             return Proposal([[] for _ in rows])
         pending = self._rollback_to_context(rows)
-        logits = self.cache.extend_last(pending)
-        tokens, dists = [], []
-        for step in range(steps):
-            token, q = self._draw(logits, rows, [step < k for k in ks])
-            tokens.append(token)
-            dists.append(q)
-            if step + 1 < steps:
-                # Only rows that still draft feed their token; the others get a hole, not a position.
-                logits = self.cache.extend_last(
-                    [[t] if step + 1 < k else [] for t, k in zip(token.tolist(), ks, strict=True)]
-                )
-        drafted = torch.stack(tokens, dim=1).tolist()
+        cache = self.cache
+        proposal = draft_autoregressively(
+            cache.extend_last(pending), rows, ks, lambda blocks: cache.extend_last(blocks)
+        )
         for b, (row, k) in enumerate(zip(rows, ks, strict=True)):
-            self.cached[b] = self.cached[b] + pending[b] + drafted[b][: max(k - 1, 0)]
+            self.cached[b] = self.cached[b] + pending[b] + proposal.tokens[b][: max(k - 1, 0)]
             self.synced[b] = row.length
-        q = None if dists[0] is None else torch.stack(dists, dim=1)
-        return Proposal([drafted[b][:k] for b, k in enumerate(ks)], q)
+        return proposal
 
     def fresh(self) -> ModelDrafter:
-        drafter = ModelDrafter(self.model, self.pad_id, self.model.get_output_embeddings().weight.shape[0])
+        drafter = ModelDrafter(self.model, self.pad_id, self.model.config.vocab_size)
         drafter.name = self.name
         return drafter
 
@@ -211,21 +211,45 @@ class ModelDrafter(Drafter):
             self.cached = [c[:k] for c, k in zip(self.cached, keep, strict=True)]
         return [row.context(k) for row, k in zip(rows, keep, strict=True)]
 
-    def _draw(
-        self, logits: torch.Tensor, rows: Sequence[DraftRow], drawing: Sequence[bool]
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Next draft token per row and q (None when every row is greedy). Greedy rows, and rows
-        whose drafts are already complete, take the argmax and draw no random number."""
-        tokens = logits.argmax(dim=-1)
-        sampled = [b for b, row in enumerate(rows) if not row.sampling.greedy]
-        if not sampled:
-            return tokens, None
-        q = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
-        q[sampled] = target_probs(logits[sampled], [rows[b].sampling for b in sampled])
-        drawing_rows = [b for b in sampled if drawing[b]]
-        if drawing_rows:
-            tokens[drawing_rows] = draw(q[drawing_rows], [rows[b].generator for b in drawing_rows])
-        return tokens, q
+
+def draft_autoregressively(
+    logits: torch.Tensor,
+    rows: Sequence[DraftRow],
+    ks: Sequence[int],
+    feed: Callable[[list[list[int]]], torch.Tensor],
+) -> Proposal:
+    """Draw up to ks[b] tokens per row, one step at a time: `logits` (B, V) give the first;
+    `feed(blocks)` appends each row's drafted token (an empty block for rows already done, a hole
+    rather than a position) and returns the next logits."""
+    steps = max(ks)
+    tokens, dists = [], []
+    for step in range(steps):
+        token, q = draw_drafts(logits, rows, [step < k for k in ks])
+        tokens.append(token)
+        dists.append(q)
+        if step + 1 < steps:
+            logits = feed([[t] if step + 1 < k else [] for t, k in zip(token.tolist(), ks, strict=True)])
+    drafted = torch.stack(tokens, dim=1).tolist()
+    q = None if dists[0] is None else torch.stack(dists, dim=1)
+    return Proposal([drafted[b][:k] for b, k in enumerate(ks)], q)
+
+
+def draw_drafts(
+    logits: torch.Tensor, rows: Sequence[DraftRow], drawing: Sequence[bool]
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Next draft token per row from (B, V) logits, and q (None when every row is greedy).
+    Greedy rows, and rows whose drafts are already complete, take the argmax and draw no random
+    number; sampling rows draw from q = the target's sampling transform of the draft logits."""
+    tokens = logits.argmax(dim=-1)
+    sampled = [b for b, row in enumerate(rows) if not row.sampling.greedy]
+    if not sampled:
+        return tokens, None
+    q = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
+    q[sampled] = target_probs(logits[sampled], [rows[b].sampling for b in sampled])
+    drawing_rows = [b for b in sampled if drawing[b]]
+    if drawing_rows:
+        tokens[drawing_rows] = draw(q[drawing_rows], [rows[b].generator for b in drawing_rows])
+    return tokens, q
 
 
 def early_exit_model(target: PreTrainedModel, layers: int) -> PreTrainedModel:

@@ -110,8 +110,13 @@ class SpeculativeEngine:
             return []
         self.costs.ensure(len(requests))  # step-cost probes run before any request's clock starts
         rows = self._start(requests, listeners)
-        run = _Run(rows, list(range(len(rows))), BatchedCache(self.model, self.tokenizer.pad_token_id))
+        target = BatchedCache(self.model, self.tokenizer.pad_token_id, self.drafter.feature_layers)
+        run = _Run(rows, list(range(len(rows))), target)
         logits = run.target.prefill([r.state.prompt_ids for r in rows])
+        if self.drafter.feature_layers:  # a feature drafter reads the prompt's hidden states now
+            self.drafter.start([r.draft for r in rows])
+            run.drafter_started = True
+            self._report_features(run, [(-len(r.state.prompt_ids), None) for r in rows])
         first = sample_tokens(logits, [r.draft.sampling for r in rows], [r.draft.generator for r in rows])
         self._finish_rows(run, self._emit(run, [[int(t)] for t in first.tolist()]))
         while run.active:
@@ -136,14 +141,22 @@ class SpeculativeEngine:
         accepted, next_tokens = self._verify(rows, active, drafts, proposal.q, logits)
         run.target.truncate(before + 1 + accepted)
         verified_at = time.perf_counter()
-        if any(ks):
-            self.drafter.observe(accepted.tolist())
-        run.drafted_last_step = any(ks)
         counts = accepted.tolist()
+        if any(ks):
+            self.drafter.observe(counts)
+        if self.drafter.feature_layers:  # the pending token and the accepted drafts were verified
+            self._report_features(run, [(0, n + 1) for n in counts])
+        run.drafted_last_step = any(ks)
         step = _Step(ks, drafts, counts, drafted_at - started, verified_at - drafted_at, forward_s, width, steady)
         self._record(run, step)
         emitted = [d[:n] + [int(t)] for d, n, t in zip(drafts, counts, next_tokens.tolist(), strict=True)]
         self._finish_rows(run, self._emit(run, emitted))
+
+    def _report_features(self, run: _Run, spans: list[tuple[int, int | None]]) -> None:
+        """Hand the drafter each row's slice [start:stop] of the last target pass's features."""
+        features = run.target.features
+        assert features is not None
+        self.drafter.observe_target([features[b, start:stop] for b, (start, stop) in enumerate(spans)])
 
     def _propose(self, run: _Run, ks: list[int]) -> Proposal:
         """Ask the drafter; it starts (prefills its own state) only once some row wants drafts."""
@@ -199,6 +212,8 @@ class SpeculativeEngine:
             k = row.chooser.choose(c, self.costs.verify_costs(batch))
         else:
             k = int(self.k)
+        if self.drafter.max_draft is not None:
+            k = min(k, self.drafter.max_draft)
         left = state.request.max_tokens - len(state.token_ids)
         room = (self.plain.context_length or 1 << 30) - row.draft.length
         # A step emits up to k + 1 tokens: never draft past max_tokens or the context.

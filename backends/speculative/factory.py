@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ..errors import ModelLoadError
-from ..models import LoadedModel, load_model
+from ..models import LoadedModel, load_model, resolve_dtype
 from .drafters import Drafter, ModelDrafter, NgramDrafter, early_exit_model
+from .trained import TrainedKind, load_drafter, resolve_weights
+from .trained_drafters import EagleDrafter, MedusaDrafter, adapter_drafter
 
-DrafterKind = Literal["ngram", "model", "early-exit"]
+DrafterKind = Literal["ngram", "model", "early-exit", "eagle", "medusa", "early-exit-adapter"]
+TRAINED_KINDS = ("eagle", "medusa", "early-exit-adapter")
 
 
 class DrafterConfig(BaseModel):
@@ -22,6 +25,11 @@ class DrafterConfig(BaseModel):
     draft_model: str = Field("embedded", description="model drafter: 'embedded', a directory, a .gguf or a HF id")
     draft_dtype: Literal["float32", "bfloat16"] = Field("bfloat16", description="model drafter's dtype")
     exit_layer: int = Field(4, ge=1, description="early exit: how many of the target's layers draft")
+    weights: str = Field(
+        "default",
+        description="trained drafters (eagle, medusa, early-exit-adapter): 'default' (shipped for the embedded "
+        "model), a directory from `specroute train-drafter`, or a .safetensors file",
+    )
 
     @model_validator(mode="after")
     def _ngram_range(self) -> DrafterConfig:
@@ -35,6 +43,8 @@ def build_drafter(config: DrafterConfig, target: LoadedModel) -> Drafter:
     vocab = target.model.get_output_embeddings().weight.shape[0]
     if config.kind == "ngram":
         return NgramDrafter(max_n=config.ngram_max, min_n=config.ngram_min)
+    if config.kind in TRAINED_KINDS:
+        return _trained_drafter(config, target)
     if config.kind == "early-exit":
         drafter = ModelDrafter(early_exit_model(target.model, config.exit_layer), pad_id, vocab)
         drafter.name = f"early-exit-{config.exit_layer}"
@@ -53,3 +63,18 @@ def build_drafter(config: DrafterConfig, target: LoadedModel) -> Drafter:
     drafter = ModelDrafter(draft.model, pad_id, vocab)
     drafter.name = f"model:{draft.info.name}@{draft.info.dtype}"
     return drafter
+
+
+def _trained_drafter(config: DrafterConfig, target: LoadedModel) -> Drafter:
+    """EAGLE and Medusa run in `draft_dtype` (their own small weights); the adapter runs in the
+    target's dtype because it shares the target's layers."""
+    kind = cast(TrainedKind, config.kind)
+    path = resolve_weights(config.weights, kind, target.info.name)
+    dtype = resolve_dtype(target.info.dtype if kind == "early-exit-adapter" else config.draft_dtype)
+    trained = load_drafter(path, target.model, target.tokenizer, dtype)
+    pad_id = target.tokenizer.pad_token_id
+    if kind == "eagle":
+        return EagleDrafter(trained, pad_id)
+    if kind == "medusa":
+        return MedusaDrafter(trained)
+    return adapter_drafter(target.model, trained, pad_id)

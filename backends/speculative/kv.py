@@ -11,6 +11,7 @@ At batch 1 no hole ever survives: the cache is simply cropped.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
@@ -26,9 +27,13 @@ COMPACT_MIN_COLUMNS = 32
 
 
 class BatchedCache:
-    def __init__(self, model: PreTrainedModel, pad_id: int):
+    def __init__(self, model: PreTrainedModel, pad_id: int, feature_layers: Sequence[int] = ()):
+        """With `feature_layers`, every forward also keeps those hidden states in `features`,
+        (B, T, len(layers) · H) over the positions just fed."""
         self.model = model
         self.pad_id = pad_id
+        self.feature_layers = tuple(feature_layers)
+        self.features: torch.Tensor | None = None
         self.device = next(model.parameters()).device
         self.cache = DynamicCache(config=model.config)
         if not all(type(layer) is DynamicLayer for layer in self.cache.layers):
@@ -43,11 +48,17 @@ class BatchedCache:
     def batch_size(self) -> int:
         return self.mask.shape[0]
 
+    def start_empty(self, batch: int) -> None:
+        """`batch` rows holding nothing yet: the first `extend` fills them (a drafter that feeds
+        its own inputs rather than prompts)."""
+        self.mask = torch.zeros((batch, 0), dtype=torch.long, device=self.device)
+        self.lengths = torch.zeros(batch, dtype=torch.long, device=self.device)
+
     def prefill(self, prompts: Sequence[Sequence[int]]) -> torch.Tensor:
         """Fill an empty cache with left-padded prompts; the logits after each prompt, (B, V)."""
         input_ids, mask = left_pad([list(p) for p in prompts], self.pad_id, self.device)
         self.mask, self.lengths = mask, mask.sum(dim=1)
-        return self._forward(input_ids, position_ids(mask), logits_to_keep=1)[:, -1]
+        return self._forward(input_ids, position_ids(mask), logits_to_keep=1).logits[:, -1]
 
     def extend(self, blocks: Sequence[Sequence[int]], width: int | None = None) -> torch.Tensor:
         """Append one block of tokens per row (rows may differ in length, even be empty); logits
@@ -55,17 +66,27 @@ class BatchedCache:
         block): padding sits after a row's real tokens, so causal attention keeps it invisible to
         them, and it stays a hole in the cache."""
         input_ids, positions = self._append(blocks, width)
-        return self._forward(input_ids, positions, logits_to_keep=input_ids.shape[1])
+        return self._forward(input_ids, positions, logits_to_keep=input_ids.shape[1]).logits
 
-    def extend_last(self, blocks: Sequence[Sequence[int]]) -> torch.Tensor:
+    def extend_last(self, blocks: Sequence[Sequence[int]], **inputs: torch.Tensor) -> torch.Tensor:
         """Like `extend`, but only the logits after each row's last new token, (B, V): catching up
         on many tokens then costs no LM-head work for positions nobody samples from."""
+        return self.extend_last_outputs(blocks, ("logits",), **inputs)[0]
+
+    def extend_last_outputs(
+        self, blocks: Sequence[Sequence[int]], names: Sequence[str] = ("logits", "hidden"), **inputs: torch.Tensor
+    ) -> list[torch.Tensor]:
+        """`extend_last` for models that return more than logits: each named output at each row's
+        last new token. `inputs` are extra per-position model inputs laid out like the padded block
+        (B, width, …), e.g. the features an EAGLE head reads."""
         counts = [max(len(b), 1) for b in blocks]
         input_ids, positions = self._append(blocks, None)
         wanted = sorted(set(c - 1 for c in counts))
-        logits = self._forward(input_ids, positions, logits_to_keep=torch.tensor(wanted, device=self.device))
+        keep = torch.tensor(wanted, device=self.device)
+        out = self._forward(input_ids, positions, logits_to_keep=keep, **inputs)
+        rows = torch.arange(len(blocks), device=self.device)
         columns = torch.tensor([wanted.index(c - 1) for c in counts], device=self.device)
-        return logits[torch.arange(len(blocks), device=self.device), columns]
+        return [getattr(out, name)[rows, columns] for name in names]
 
     def _append(self, blocks: Sequence[Sequence[int]], width: int | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Right-padded input ids and positions for a block; the mask and lengths grow with it."""
@@ -129,18 +150,44 @@ class BatchedCache:
             self.compact()
 
     def _forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, logits_to_keep: int | torch.Tensor
-    ) -> torch.Tensor:
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        logits_to_keep: int | torch.Tensor,
+        **inputs: torch.Tensor,
+    ) -> Any:
         # Without holes the mask says nothing the causal mask does not: skip building a 4-D mask.
         attention_mask = None if bool(self.mask.all()) else self.mask
-        out = self.model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=positions,
-            cache=self.cache,
-            logits_to_keep=logits_to_keep,
-        )
-        return out.logits
+        captured: dict[int, torch.Tensor] = {}
+        hooks = [self._capture(i, captured) for i in self.feature_layers]
+        try:
+            out = self.model(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=positions,
+                cache=self.cache,
+                logits_to_keep=logits_to_keep,
+                **inputs,
+            )
+        finally:
+            for hook in hooks:
+                hook.remove()
+        if self.feature_layers:
+            self.features = torch.cat([captured[i] for i in self.feature_layers], dim=-1)
+        return out
+
+    def _capture(self, index: int, into: dict[int, torch.Tensor]) -> torch.utils.hooks.RemovableHandle:
+        """A hook storing hidden state `index` (transformers' `hidden_states[index]`: 0 = embeddings,
+        i = output of decoder layer i - 1, the last = after the final norm). Hooks keep just these
+        layers, where `output_hidden_states` would hold every layer's activations at once."""
+        decoder = self.model.model
+        layers = len(decoder.layers)
+        module = decoder.embed_tokens if index == 0 else decoder.norm if index == layers else decoder.layers[index - 1]
+
+        def keep(_module: torch.nn.Module, _args: object, output: object) -> None:
+            into[index] = output[0] if isinstance(output, tuple) else output  # type: ignore[assignment]
+
+        return module.register_forward_hook(keep)
 
 
 def _gather_columns(states: torch.Tensor, order: torch.Tensor) -> torch.Tensor:

@@ -93,9 +93,19 @@ def test_speculative_generate_json_carries_the_stats(capsys, loaded):
     assert {"acceptance_rate", "mean_accepted_length", "gamma", "accepted_per_position", "k_history"} <= stats.keys()
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["eagle", "medusa", "early-exit-adapter"])
+def test_shipped_trained_drafters_work_out_of_the_box(capsys, loaded, kind):
+    plain = _run(capsys, "generate", "Name three fruits.", "--max-tokens", "12")[1]
+    code, out, err = _run(capsys, "generate", "Name three fruits.", "--max-tokens", "12", "--speculative", kind)
+    assert code == 0 and out == plain
+    assert f"[{kind}] k=auto" in err
+
+
 @pytest.mark.parametrize(
     ("argv", "hint"),
     [
+        (["--speculative", "eagle", "--drafter-weights", "/no/such/dir"], "no trained eagle drafter at /no/such/dir"),
         (["--max-tokens", "-3"], "max_tokens: Input should be greater than or equal to 1 (got -3)"),
         (["--temperature", "-1"], "sampling.temperature: Input should be greater than or equal to 0"),
         (["--top-p", "0"], "sampling.top_p: Input should be greater than 0"),

@@ -110,3 +110,23 @@ def test_padding_repeats_the_last_real_position_and_stays_a_hole(tiny_target):
     assert positions.tolist() == [[3, 4, 4, 4], [0, 0, 0, 0]]  # an empty block: all padding, at its last position
     assert cache.mask[:, -4:].tolist() == [[1, 1, 0, 0], [0, 0, 0, 0]]
     assert cache.lengths.tolist() == [5, 1]
+
+
+@pytest.mark.slow
+def test_feature_layers_are_the_models_own_hidden_states(loaded):
+    """What feature drafters read: transformers' hidden_states at the chosen indices, captured by
+    hooks during the cache's own passes (prefill, then a right-padded block)."""
+    model, pad = loaded.model, loaded.tokenizer.pad_token_id
+    layers = [0, 4, model.config.num_hidden_layers]
+    cache = BatchedCache(model, pad, feature_layers=layers)
+    prompts = [[1, 2, 3, 4, 5], [7, 8]]
+    cache.prefill(prompts)
+    with torch.inference_mode():
+        hidden = model(input_ids=torch.tensor([prompts[0]]), output_hidden_states=True).hidden_states
+    expected = torch.cat([hidden[i][0] for i in layers], dim=-1)
+    assert cache.features is not None and cache.features.shape == (2, 5, 3 * model.config.hidden_size)
+    torch.testing.assert_close(cache.features[0], expected, rtol=1e-3, atol=1e-3)
+    cache.extend([[6, 9], [3]])
+    with torch.inference_mode():
+        full = model(input_ids=torch.tensor([prompts[0] + [6, 9]]), output_hidden_states=True).hidden_states
+    torch.testing.assert_close(cache.features[0], torch.cat([full[i][0, 5:] for i in layers], -1), rtol=1e-3, atol=1e-3)
