@@ -159,7 +159,7 @@ class BatchedCache:
         # Without holes the mask says nothing the causal mask does not: skip building a 4-D mask.
         attention_mask = None if bool(self.mask.all()) else self.mask
         captured: dict[int, torch.Tensor] = {}
-        hooks = [self._capture(i, captured) for i in self.feature_layers]
+        hooks = capture_hidden_states(self.model, self.feature_layers, captured)
         try:
             out = self.model(
                 input_ids=input_ids,
@@ -176,18 +176,27 @@ class BatchedCache:
             self.features = torch.cat([captured[i] for i in self.feature_layers], dim=-1)
         return out
 
-    def _capture(self, index: int, into: dict[int, torch.Tensor]) -> torch.utils.hooks.RemovableHandle:
-        """A hook storing hidden state `index` (transformers' `hidden_states[index]`: 0 = embeddings,
-        i = output of decoder layer i - 1, the last = after the final norm). Hooks keep just these
-        layers, where `output_hidden_states` would hold every layer's activations at once."""
-        decoder = self.model.model
-        layers = len(decoder.layers)
-        module = decoder.embed_tokens if index == 0 else decoder.norm if index == layers else decoder.layers[index - 1]
+
+def capture_hidden_states(
+    model: torch.nn.Module, indices: Sequence[int], into: dict[int, torch.Tensor]
+) -> list[torch.utils.hooks.RemovableHandle]:
+    """Forward hooks that store transformers' `hidden_states[i]` for each index (0 = embeddings,
+    i = output of decoder layer i - 1, the last = after the final norm) in `into` on every pass:
+    just these layers, where `output_hidden_states` would keep every layer's activations. The
+    caller removes the handles. Hooks sit on the target's own modules, so a model sharing them
+    (its shallow early-exit copy) fills them too."""
+    decoder = model.model
+    count = len(decoder.layers)
+
+    def hook(index: int) -> torch.utils.hooks.RemovableHandle:
+        module = decoder.embed_tokens if index == 0 else decoder.norm if index == count else decoder.layers[index - 1]
 
         def keep(_module: torch.nn.Module, _args: object, output: object) -> None:
             into[index] = output[0] if isinstance(output, tuple) else output  # type: ignore[assignment]
 
         return module.register_forward_hook(keep)
+
+    return [hook(i) for i in indices]
 
 
 def _gather_columns(states: torch.Tensor, order: torch.Tensor) -> torch.Tensor:

@@ -19,6 +19,7 @@ from ..generation import ChatMessage, GenerationRequest
 from ..models import LoadedModel
 from ..plain import PlainEngine, left_pad, position_ids
 from ..speculative.drafters import early_exit_model
+from ..speculative.kv import capture_hidden_states
 from ..speculative.trained import fingerprint
 from .prompts import TrainingPrompt
 
@@ -151,19 +152,8 @@ def _run_capturing(
 ) -> dict[int, torch.Tensor]:
     """Hidden states `layers` of one forward pass of `runner` (the target or its shallow part),
     captured by hooks on the target's own modules."""
-    decoder = target.model
     captured: dict[int, torch.Tensor] = {}
-
-    def hook(index: int) -> torch.utils.hooks.RemovableHandle:
-        count = len(decoder.layers)
-        module = decoder.embed_tokens if index == 0 else decoder.norm if index == count else decoder.layers[index - 1]
-
-        def keep(_module: torch.nn.Module, _args: object, output: object) -> None:
-            captured[index] = output[0] if isinstance(output, tuple) else output  # type: ignore[assignment]
-
-        return module.register_forward_hook(keep)
-
-    handles = [hook(i) for i in layers]
+    handles = capture_hidden_states(target, layers, captured)
     try:
         runner(input_ids=input_ids, attention_mask=mask, position_ids=position_ids(mask), logits_to_keep=1)
     finally:
