@@ -185,6 +185,8 @@ def capture_hidden_states(
     just these layers, where `output_hidden_states` would keep every layer's activations. The
     caller removes the handles. Hooks sit on the target's own modules, so a model sharing them
     (its shallow early-exit copy) fills them too."""
+    if not indices:
+        return []
     decoder = model.model
     count = len(decoder.layers)
 

