@@ -60,7 +60,8 @@ def test_the_int8_backend_is_measured_for_speed_and_quality(profile):
 def test_acceptance_covers_every_category_and_prompt(profile):
     prompt_set = load_prompt_set()
     assert profile.categories == sorted(prompt_set.categories)
-    assert len(profile.samples) == sum(len(c.prompts) for c in prompt_set.categories.values())
+    prompts = sum(len(c.prompts) for c in prompt_set.categories.values())
+    assert len(profile.samples) == prompts * len(profile.drafters)  # one sample per prompt and drafter
     for a in profile.acceptance:
         assert 0 <= a.alpha <= 1 and a.judged_tokens >= a.accepted_tokens
         assert a.accepted_per_position == sorted(a.accepted_per_position, reverse=True)  # survival only falls
