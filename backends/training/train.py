@@ -22,7 +22,8 @@ from ..embedded import specroute_home
 from ..errors import TrainingError
 from ..generation import ChatMessage, GenerationRequest
 from ..models import LoadedModel
-from ..speculative.engine import SpeculativeEngine
+from ..speculative.engine import SpeculativeEngine, step_costs
+from ..speculative.factory import DrafterConfig, build_drafter
 from ..speculative.trained import (
     DrafterCard,
     DraftVocab,
@@ -32,10 +33,8 @@ from ..speculative.trained import (
     MedusaNet,
     TrainedKind,
     fingerprint,
-    load_drafter,
     save_drafter,
 )
-from ..speculative.trained_drafters import EagleDrafter, MedusaDrafter, adapter_drafter
 from .data import Sample, data_dir, extract_features, generate_samples
 from .loops import IGNORE, EagleTask, ExitTask, MedusaTask, Metrics, Sequences, Task, autocast
 from .prompts import CATEGORIES, TrainingPrompt, held_out_topic, training_prompts
@@ -256,27 +255,19 @@ def held_out_alpha(
     held: Sequence[Sample],
     prompts: dict[str, TrainingPrompt],
     config: TrainConfig,
-    draft_dtype: str,
 ) -> dict[str, float]:
-    """α per category of real greedy speculative runs (fixed k) with the saved drafter on held-out
-    prompts: accepted drafts / judged drafts."""
+    """α per category of real greedy speculative runs (fixed k) with the saved drafter, loaded the
+    way users load it, on held-out prompts: accepted drafts / judged drafts."""
     if config.alpha_prompts == 0:
         return {}
-    dtype = loaded.model.dtype if kind == "early-exit-adapter" else getattr(torch, draft_dtype)
-    trained = load_drafter(path, loaded.model, loaded.tokenizer, dtype)
-    pad = loaded.tokenizer.pad_token_id
+    drafter = build_drafter(DrafterConfig(kind=kind, weights=str(path)), loaded)
+    costs = step_costs(loaded, max_width=config.alpha_k + 1)  # probed once for every category's engine
     alpha: dict[str, float] = {}
     for category in CATEGORIES:
         chosen = [s for s in held if s.category == category][: config.alpha_prompts]
         if not chosen:
             continue
-        if kind == "eagle":
-            drafter = EagleDrafter(trained, pad)
-        elif kind == "medusa":
-            drafter = MedusaDrafter(trained)
-        else:
-            drafter = adapter_drafter(loaded.model, trained, pad)
-        engine = SpeculativeEngine(loaded, drafter, k=config.alpha_k)
+        engine = SpeculativeEngine(loaded, drafter.fresh(), k=config.alpha_k, costs=costs)
         requests = [
             GenerationRequest(
                 messages=[ChatMessage(**m) for m in prompts[s.id].messages()], max_tokens=config.alpha_tokens
@@ -361,7 +352,7 @@ def train_drafter(
     )
     save_drafter(out, card, task.net, draft_ids)
     log(f"measuring α on held-out prompts (k = {config.alpha_k}) …")
-    alpha = held_out_alpha(loaded, out, kind, held, by_id, config, "bfloat16")
+    alpha = held_out_alpha(loaded, out, kind, held, by_id, config)
     card.held_out.alpha_by_category, card.held_out.alpha_k = alpha, config.alpha_k
     save_drafter(out, card, task.net, draft_ids)
     return out, card
