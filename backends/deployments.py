@@ -1,50 +1,61 @@
-"""The three backends as Ray Serve deployments — thin shells: the engines do the work.
+"""The three backends as Ray Serve deployments — thin shells: the step loop does the work.
 
-- `SpeculativeBackend`: the speculative engine, one per drafter (prompt lookup, a draft model);
-  concurrent requests are batched (the engine batches rows of different lengths exactly).
-- `PlainBackend`: the plain engine with dynamic batching — when the engine is free it takes every
-  request waiting (up to `max_batch`; an idle engine waits `batch_wait_ms` for company); where high
-  concurrency goes.
-- `QuantizedBackend`: the plain engine over the int8 target (`backends.quantized`).
+Every replica runs one `Scheduler` (`backends.scheduler`) in a thread of its own
+(`backends.serving`): requests join the running batch at the next step and leave it the moment
+they finish, so load turns into batch size without anyone waiting for a batch to end.
 
-Each exposes `generate(request)` — an async stream of `StreamEvent`s. A request
-the engine cannot serve (too long for the context, …) gets an event with `error` instead of
-failing the batch it would have joined. Torch threads are set per replica: Ray starts replicas with
-one, and several replicas on few cores must not oversubscribe them.
+- `SpeculativeBackend`: the loop with every configured drafter (prompt lookup, a draft model, …):
+  rows draft with their own drafter and are verified together in one target pass per step, each
+  step choosing how much drafting pays at the live batch.
+- `PlainBackend`: the loop without drafting: large-batch decoding, where high concurrency goes.
+- `QuantizedBackend`: the plain loop over the int8 target (`backends.quantized`).
+
+Each exposes `generate(request, drafter, batching)` — an async stream of `StreamEvent`s. A request
+the backend cannot serve (too long for the context, an unknown drafter) gets an event with `error`
+(a 4xx), a full backend an event with `error` and `retry_after_s` (a 429). `batching="static"`
+serves the request through the old engine queue (batches run to completion) on a loop of its own:
+the baseline `specroute bench load --batching` measures against, never the serving path. Torch
+threads are set per replica: Ray starts replicas with one, and several replicas on few cores must
+not oversubscribe them.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 from ray import serve
+from ray.serve.metrics import Gauge
 
-from .errors import RequestError
+from policies.profile import Profile
+
+from .errors import Overloaded, RequestError
 from .generation import GenerationRequest, GenerationResult, TokenListener
 from .models import LoadedModel, load_model
 from .plain import PlainEngine
 from .quantized import QuantMethod, quantize
-from .speculative.engine import SpeculativeEngine
+from .scheduler import LoopSettings, Scheduler, step_costs
+from .serving import ServingLoop
+from .speculative.control import DraftCosts
 from .speculative.factory import DrafterConfig, DrafterKind, build_drafter
 from .streaming import EngineQueue, StreamEvent
 
 BackendName = Literal["speculative", "plain", "quantized"]
 BACKENDS: tuple[BackendName, ...] = ("speculative", "plain", "quantized")
+Batching = Literal["continuous", "static"]
 
 
-class BackendSettings(BaseModel):
-    """What every backend replica is built from (the `args` of the Serve application)."""
-
-    model_config = ConfigDict(extra="forbid")
+class BackendSettings(LoopSettings):
+    """What every backend replica is built from (the `args` of the Serve application): the model,
+    and how its step loop schedules."""
 
     model: str = Field("embedded", description="'embedded', a local directory, a .gguf file or a HF id")
     dtype: Literal["float32", "bfloat16"] = "float32"
     device: Literal["cpu", "cuda"] = "cpu"
     threads: int = Field(1, ge=1, le=256, description="torch threads per replica")
-    max_batch: int = Field(32, ge=1, le=512, description="most requests one batch takes")
-    batch_wait_ms: float = Field(20.0, ge=0, le=10_000, description="how long a batch waits to fill")
+    batch_wait_ms: float = Field(20.0, ge=0, le=10_000, description="static baseline only: how long a batch waits")
     drafters: list[DrafterKind] = Field(default_factory=lambda: ["ngram", "model"], min_length=1)
     drafter: DrafterConfig = Field(default_factory=DrafterConfig, description="drafter options (kind ignored)")
     k_max: int = Field(8, ge=1, le=32, description="most tokens a speculative step drafts")
@@ -52,15 +63,8 @@ class BackendSettings(BaseModel):
     profile: str | None = Field(None, description="profile JSON: seeds the speculative engine's step costs")
 
 
-class _Job(BaseModel):
-    """One request in a batch, with the drafter it should be speculated with (speculative only)."""
-
-    request: GenerationRequest
-    drafter: str | None = None
-
-
 class _Backend:
-    """Shared shell: load, validate each request alone, batch the rest through `_run`."""
+    """Shared shell: load, build the step loop, stream each request through it."""
 
     name: BackendName
 
@@ -69,99 +73,115 @@ class _Backend:
         s = self.settings
         self.loaded = load_model(s.model, dtype=s.dtype, device=s.device, threads=s.threads)
         self.checker = PlainEngine(self.loaded)
-        self.jobs: dict[int, _Job] = {}
-        self.queue = EngineQueue(self._run_requests, self.loaded.tokenizer, s.max_batch, s.batch_wait_ms / 1000)
+        self.static: EngineQueue | None = None
+        self.static_drafters: dict[int, str | None] = {}
 
-    async def generate(self, request: dict[str, Any], drafter: str | None = None) -> AsyncIterator[StreamEvent]:
+    def start(self, target: LoadedModel) -> None:
+        self.target = target
+        self.loop = ServingLoop(self.scheduler(), observer=LoopGauges(self.name).observe)
+
+    def scheduler(self) -> Scheduler:
+        """A step loop over the target (the serving one, or the static baseline's own)."""
+        return Scheduler(self.target, self.settings)
+
+    def drafter_name(self, drafter: str | None) -> str | None:
+        return drafter
+
+    async def generate(
+        self, request: dict[str, Any], drafter: str | None = None, batching: Batching = "continuous"
+    ) -> AsyncIterator[StreamEvent]:
         try:
-            job = _Job(request=GenerationRequest.model_validate(request), drafter=self.check_drafter(drafter))
-            self.checker.encode(job.request)  # the context-length check every engine makes
+            job, name = GenerationRequest.model_validate(request), self.drafter_name(drafter)
+            events = self.loop.stream(job, name) if batching == "continuous" else self._static(job, name)
+            first = await anext(events)
+        except Overloaded as exc:
+            yield StreamEvent(error=str(exc), retry_after_s=exc.retry_after_s)
+            return
         except RequestError as exc:
             yield StreamEvent(error=str(exc))
             return
-        # The queue batches GenerationRequests; the drafter rides along keyed by the request object.
-        self.jobs[id(job.request)] = job
+        yield first
+        async for event in events:
+            yield event
+
+    async def _static(self, request: GenerationRequest, drafter: str | None) -> AsyncIterator[StreamEvent]:
+        """The baseline: an engine queue whose batches run to completion, on a loop of its own."""
+        self.loop.scheduler.check(request, drafter)
+        if self.static is None:
+            engine, s = self.scheduler(), self.settings
+
+            def run(
+                requests: Sequence[GenerationRequest], listeners: Sequence[TokenListener]
+            ) -> list[GenerationResult]:
+                return engine.generate(requests, listeners, [self.static_drafters.get(id(r)) for r in requests])
+
+            self.static = EngineQueue(run, self.target.tokenizer, s.max_batch, s.batch_wait_ms / 1000)
+        self.static_drafters[id(request)] = drafter
         try:
-            async for event in self.queue.submit(job.request):
+            async for event in self.static.submit(request):
                 yield event
         finally:
-            self.jobs.pop(id(job.request), None)
-
-    def check_drafter(self, drafter: str | None) -> str | None:
-        if drafter is not None:
-            raise RequestError(f"the {self.name} backend does not draft: drop 'drafter' or use the speculative backend")
-        return None
-
-    def _run_requests(
-        self, requests: Sequence[GenerationRequest], listeners: Sequence[TokenListener]
-    ) -> list[GenerationResult]:
-        return self._run([self.jobs[id(r)] for r in requests], listeners)
-
-    def _run(self, jobs: Sequence[_Job], listeners: Sequence[TokenListener]) -> list[GenerationResult]:
-        raise NotImplementedError
+            self.static_drafters.pop(id(request), None)
 
 
-class _PlainShell(_Backend):
-    engine: PlainEngine
+class LoopGauges:
+    """The step loop's state as Prometheus gauges, with vLLM's names under specroute's prefix."""
 
-    def _run(self, jobs: Sequence[_Job], listeners: Sequence[TokenListener]) -> list[GenerationResult]:
-        return self.engine.generate([job.request for job in jobs], listeners)
+    def __init__(self, backend: BackendName):
+        tags = ("backend",)
+        self.tags = {"backend": backend}
+        self.running = Gauge("specroute_num_requests_running", "Requests in the step loop's batch", tags)
+        self.waiting = Gauge("specroute_num_requests_waiting", "Requests waiting for a row", tags)
+        self.kv = Gauge("specroute_kv_cache_usage_perc", "Share of the KV cache held (0..1)", tags)
+
+    def observe(self, scheduler: Scheduler) -> None:
+        self.running.set(len(scheduler.running), tags=self.tags)
+        self.waiting.set(len(scheduler.waiting), tags=self.tags)
+        self.kv.set(scheduler.cache.usage, tags=self.tags)
 
 
-@serve.deployment(name="PlainBackend", ray_actor_options={"num_cpus": 0.5}, max_ongoing_requests=256)
-class PlainBackend(_PlainShell):
+@serve.deployment(name="PlainBackend", ray_actor_options={"num_cpus": 0.5}, max_ongoing_requests=1024)
+class PlainBackend(_Backend):
     name: BackendName = "plain"
 
     def __init__(self, settings: dict[str, Any]):
         super().__init__(settings)
-        self.engine = PlainEngine(self.loaded)
+        self.start(self.loaded)
 
 
-@serve.deployment(name="QuantizedBackend", ray_actor_options={"num_cpus": 0.5}, max_ongoing_requests=256)
-class QuantizedBackend(_PlainShell):
+@serve.deployment(name="QuantizedBackend", ray_actor_options={"num_cpus": 0.5}, max_ongoing_requests=1024)
+class QuantizedBackend(_Backend):
     name: BackendName = "quantized"
 
     def __init__(self, settings: dict[str, Any]):
         super().__init__(settings)
-        self.int8 = quantize(self.loaded, calibration_ids(self.checker), self.settings.quantization)
-        self.engine = PlainEngine(self.int8)
+        self.start(quantize(self.loaded, calibration_ids(self.checker), self.settings.quantization))
 
 
-@serve.deployment(name="SpeculativeBackend", ray_actor_options={"num_cpus": 0.5}, max_ongoing_requests=64)
+@serve.deployment(name="SpeculativeBackend", ray_actor_options={"num_cpus": 0.5}, max_ongoing_requests=1024)
 class SpeculativeBackend(_Backend):
-    """One engine per drafter; a batch is split by drafter and the groups run one after another."""
+    """One loop over every configured drafter; a request names its drafter by kind or full name
+    (default: the first configured)."""
 
     name: BackendName = "speculative"
 
     def __init__(self, settings: dict[str, Any]):
         super().__init__(settings)
         s = self.settings
-        costs = _seeded_costs(self.loaded, s.profile)
-        self.engines: dict[str, SpeculativeEngine] = {}
-        for kind in s.drafters:
-            drafter = build_drafter(s.drafter.model_copy(update={"kind": kind}), self.loaded)
-            engine = SpeculativeEngine(self.loaded, drafter, k="auto", k_max=s.k_max, costs=costs)
-            self.engines[kind] = self.engines[drafter.name] = engine
-        self.default = s.drafters[0]
+        self.drafters = [build_drafter(s.drafter.model_copy(update={"kind": kind}), self.loaded) for kind in s.drafters]
+        self.names = {kind: d.name for kind, d in zip(s.drafters, self.drafters, strict=True)}
+        self.costs = _seeded_costs(self.loaded, s.profile) or step_costs(self.loaded, s.k_max + 1)
+        self.costs.ensure(s.max_batch)  # probe what the profile did not measure before any request's clock starts
+        self.draft_costs = _seeded_draft_costs(s.profile, [d.name for d in self.drafters], s.max_batch)
+        self.start(self.loaded)
 
-    def check_drafter(self, drafter: str | None) -> str:
-        if drafter is None:
-            return self.default
-        if drafter not in self.engines:
-            known = sorted({e.drafter.name for e in self.engines.values()} | set(self.settings.drafters))
-            raise RequestError(f"unknown drafter {drafter!r}: this service drafts with {', '.join(known)}")
-        return drafter
+    def scheduler(self) -> Scheduler:
+        s = self.settings
+        drafters = [d.fresh() for d in self.drafters]  # per-sequence state of its own, weights shared
+        return Scheduler(self.target, s, drafters, "auto", s.k_max, self.costs, self.draft_costs)
 
-    def _run(self, jobs: Sequence[_Job], listeners: Sequence[TokenListener]) -> list[GenerationResult]:
-        groups: dict[str, list[int]] = {}
-        for i, job in enumerate(jobs):
-            groups.setdefault(job.drafter or self.default, []).append(i)
-        results: dict[int, GenerationResult] = {}
-        for drafter, rows in groups.items():
-            out = self.engines[drafter].generate([jobs[i].request for i in rows], [listeners[i] for i in rows])
-            results.update(zip(rows, out, strict=True))
-        return [results[i] for i in range(len(jobs))]
-
+    def drafter_name(self, drafter: str | None) -> str | None:
+        return self.names.get(drafter, drafter) if drafter is not None else None
 
 
 def calibration_ids(engine: PlainEngine) -> list[list[int]]:
@@ -172,13 +192,22 @@ def calibration_ids(engine: PlainEngine) -> list[list[int]]:
     return [engine.encode(GenerationRequest(messages=p.messages, max_tokens=1)) for p in calibration]
 
 
+def _seeded_draft_costs(profile: str | None, names: list[str], max_batch: int) -> dict[str, DraftCosts]:
+    """Each profiled drafter's seconds per draft step at every batch bucket up to max_batch, so no
+    drafter is planned as free before the loop has timed it."""
+    if profile is None:
+        return {}
+    measured = {d.name: d for d in Profile.load(Path(profile)).drafters}
+    buckets = [1 << i for i in range(max(max_batch - 1, 0).bit_length() + 1)]
+    return {
+        name: DraftCosts(step_s={b: measured[name].step_at(b) for b in buckets}) for name in names if name in measured
+    }
+
+
 def _seeded_costs(loaded: LoadedModel, profile: str | None):
     """The step-cost table from the profile, so no request waits for a timing probe."""
     if profile is None:
         return None
-    from pathlib import Path
-
-    from policies.profile import Profile
     from profiler.profiling import seeded_step_costs
 
     return seeded_step_costs(loaded, Profile.load(Path(profile)).target)

@@ -21,3 +21,11 @@ class RequestError(UserError):
 
 class TrainingError(UserError):
     """Drafter training cannot run with the settings given."""
+
+
+class Overloaded(RequestError):
+    """The backend is full: the request was not started; try again after `retry_after_s`."""
+
+    def __init__(self, message: str, retry_after_s: int):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s

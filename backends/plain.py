@@ -1,9 +1,11 @@
-"""Batched autoregressive decoding with a KV cache: the plain engine.
+"""Batched autoregressive decoding with transformers' own KV cache: the plain engine, and the
+reference every other engine must match token for token (the step loop in `backends.scheduler`
+serves; this one stays as simple as decoding gets).
 
 A batch mixes prompt lengths (left padding, attention mask, explicit position ids), and every
 request keeps its own max_tokens, stop strings, sampling settings and seed. Finished sequences
 leave the batch: their rows are dropped from the cache, so the remaining ones stop paying for
-them. This engine is also the reference the speculative engine must match token for token.
+them. Prompt encoding, EOS ids and the context check live here and every engine shares them.
 """
 
 from __future__ import annotations

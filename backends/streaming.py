@@ -1,8 +1,9 @@
-"""Streaming a batch of requests out of a blocking engine: the engine runs in a worker thread, its
-token listener hands each row's new tokens (and, when a row ends, its result) to the event loop,
-and `stream_batch` yields, whenever anything arrived, one item per request. `EngineQueue` batches
-the requests of a backend replica and hands each its own stream. Nothing here imports Ray, so the
-same code is tested in-process.
+"""Streaming out of engines: the events a request's stream carries (`StreamEvent`), the text a
+stream may show so far (`TextStream`), and the static baseline — `stream_batch` runs a blocking
+engine over a batch in a worker thread and yields, whenever anything arrived, one item per
+request; `EngineQueue` batches a replica's requests and runs each batch to completion. The step
+loop (`backends.serving`) is what serves; this queue is what `bench load --batching static`
+measures it against. Nothing here imports Ray, so the same code is tested in-process.
 
 A row that finishes early gets its result at once; it does not wait for the batch to end.
 """
@@ -29,6 +30,7 @@ class StreamEvent(BaseModel):
     token_ids: list[int] = Field(default_factory=list)
     result: GenerationResult | None = None
     error: str | None = Field(None, description="the backend refused the request: what to fix (a 4xx)")
+    retry_after_s: int | None = Field(None, description="with `error`: the backend is full, retry after this long")
 
     def merge(self, later: StreamEvent) -> StreamEvent:
         return StreamEvent(
@@ -36,6 +38,7 @@ class StreamEvent(BaseModel):
             token_ids=self.token_ids + later.token_ids,
             result=later.result or self.result,
             error=later.error or self.error,
+            retry_after_s=later.retry_after_s or self.retry_after_s,
         )
 
 
@@ -92,14 +95,17 @@ def _listener(
 ) -> TokenListener:
     def on_token(state: SequenceState, token: int) -> None:
         # Runs in the engine's thread: build the event here, hand it to the loop thread-safely.
-        if state.finished:
-            result = state.result(tokenizer)
-            event = StreamEvent(text=text.final(result.text), token_ids=[token], result=result)
-        else:
-            event = StreamEvent(text=text.delta(state.token_ids), token_ids=[token])
-        loop.call_soon_threadsafe(queue.put_nowait, (index, event))
+        loop.call_soon_threadsafe(queue.put_nowait, (index, token_event(state, token, text, tokenizer)))
 
     return on_token
+
+
+def token_event(state: SequenceState, token: int, text: TextStream, tokenizer: PreTrainedTokenizerBase) -> StreamEvent:
+    """The event for a token just appended: the new text, and the result once the row finished."""
+    if state.finished:
+        result = state.result(tokenizer)
+        return StreamEvent(text=text.final(result.text), token_ids=[token], result=result)
+    return StreamEvent(text=text.delta(state.token_ids), token_ids=[token])
 
 
 async def _next_events(

@@ -14,7 +14,9 @@ step costs k·c + q·v + (1 − q). ρ = 1 (a draft model always proposes) gives
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import itertools
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -57,16 +59,74 @@ def speedup(
     return tokens_per_step(alpha, k, proposal_rate) / cost
 
 
-def best_k(alpha: float, c: float, verify_cost: Sequence[float], k_max: int | None = None) -> tuple[int, float]:
-    """The k in 0..k_max with the highest speedup, and that speedup.
+@dataclass(frozen=True)
+class RowOutlook:
+    """One running sequence as the step planner sees it."""
 
-    `verify_cost[k]` is v(b, k): the measured cost of a (k+1)-token pass relative to a 1-token
-    pass (so verify_cost[0] is 1). Ties go to the smaller k (less work for the same gain).
-    """
-    k_max = len(verify_cost) - 1 if k_max is None else min(k_max, len(verify_cost) - 1)
-    gains = [speedup(alpha, k, c, verify_cost[k]) for k in range(k_max + 1)]
-    k = int(np.argmax(gains))
-    return k, gains[k]
+    drafter: str | None  # None: the sequence never drafts
+    alpha: float  # per-token acceptance estimate
+    proposal_rate: float  # share of the steps that ask in which the drafter proposes anything
+    k_cap: int  # the most tokens it may draft now (tokens left, context, the drafter's limit)
+
+
+def plan_step(
+    rows: Sequence[RowOutlook],
+    pass_seconds: Sequence[float],
+    draft_seconds: Mapping[str, float],
+    k_max: int,
+    catch_up_seconds: Mapping[str, float] | None = None,
+) -> list[int]:
+    """How many tokens each sequence of a batch drafts this step: the choice that maximises the
+    whole step's expected tokens per second.
+
+    One target pass serves the batch, so its width is shared: `pass_seconds[w - 1]` is a pass of
+    w tokens per sequence at this batch (padded to the cheapest width ≥ w). A drafter drafts its
+    sequences together, `draft_seconds[d]` per sequential draft step, after `catch_up_seconds[d]`
+    reading the context its sequences gained since it last drafted for them (a sequence that just
+    joined, or skipped drafting). So each drafter gets one k
+    (its sequences draft min(k, their cap); a drafter at k = 0 leaves its sequences as plain
+    rows of the same pass), every combination is scored, and ties go to less drafting. A step
+    emits Σ 1 + ρ·(E(α, k) − 1) tokens and costs the drafting plus a wide pass when some sequence
+    proposed (probability 1 − Π(1 − ρ)), else a narrow one."""
+    t = effective_seconds(pass_seconds)
+    k_top = min(k_max, len(t) - 1)
+    groups: dict[str, list[int]] = {}
+    for i, row in enumerate(rows):
+        if row.drafter is not None and row.k_cap > 0:
+            groups.setdefault(row.drafter, []).append(i)
+    names = list(groups)
+    tables = [_group_table([rows[i] for i in groups[d]], k_top) for d in names]
+    best, best_rate = (0,) * len(names), len(rows) / t[0]
+    for ks in itertools.product(*(range(len(gain)) for gain, _, _ in tables)):
+        tokens, none_propose, width, drafting = float(len(rows)), 1.0, 1, 0.0
+        for d, k, (gain, silent, cap) in zip(names, ks, tables, strict=True):
+            if k:
+                tokens += gain[k]
+                none_propose *= silent
+                width = max(width, 1 + min(k, cap))
+                drafting += k * draft_seconds.get(d, 0.0) + (catch_up_seconds or {}).get(d, 0.0)
+        seconds = drafting + (1 - none_propose) * t[width - 1] + none_propose * t[0]
+        if tokens / seconds > best_rate * (1 + 1e-9):
+            best, best_rate = ks, tokens / seconds
+    chosen = dict(zip(names, best, strict=True))
+    return [min(chosen.get(row.drafter, 0), row.k_cap) if row.drafter else 0 for row in rows]
+
+
+def _group_table(rows: Sequence[RowOutlook], k_top: int) -> tuple[list[float], float, int]:
+    """For a drafter's sequences: the extra tokens they are expected to add at each k in
+    0..(their largest cap), the chance that none of them proposes anything, and that cap."""
+    cap = min(max(r.k_cap for r in rows), k_top)
+    gain = [sum(tokens_per_step(r.alpha, min(k, r.k_cap), r.proposal_rate) - 1 for r in rows) for k in range(cap + 1)]
+    silent = float(np.prod([1 - min(max(r.proposal_rate, 0.0), 1.0) for r in rows]))
+    return gain, silent, cap
+
+
+def effective_seconds(width_seconds: Sequence[float]) -> list[float]:
+    """Pass seconds by width when every block is padded to the cheapest width ≥ its own."""
+    t = np.asarray(width_seconds, dtype=float)
+    if t.ndim != 1 or not len(t) or np.any(t <= 0):
+        raise ValueError("need positive pass times for widths 1..n")
+    return np.minimum.accumulate(t[::-1])[::-1].tolist()
 
 
 def best_speculative_k(
@@ -93,11 +153,7 @@ def effective_verify_costs(width_seconds: Sequence[float]) -> list[float]:
     """v(b, k) for k = 0..len-1 from one batch's pass times by width (`width_seconds[w-1]` for w
     tokens per sequence): a block of k + 1 tokens is padded to the cheapest width ≥ k + 1, as the
     engine does, so v never rises where a wider pass happens to run faster."""
-    t = np.asarray(width_seconds, dtype=float)
-    if t.ndim != 1 or not len(t) or np.any(t <= 0):
-        raise ValueError("need positive pass times for widths 1..n")
-    cheapest_from = np.minimum.accumulate(t[::-1])[::-1]
-    return (cheapest_from / t[0]).tolist()
+    return [s / width_seconds[0] for s in effective_seconds(width_seconds)]
 
 
 def per_token_seconds(

@@ -19,6 +19,7 @@ from tqdm import tqdm
 
 from backends.embedded import specroute_home
 from backends.generation import GenerationRequest, GenerationResult
+from backends.kv import PagedCache
 from backends.models import LoadedModel, load_model
 from backends.plain import PlainEngine
 from backends.quantized import QuantMethod, measure_quality, quantize
@@ -26,7 +27,6 @@ from backends.speculative.control import StepCosts
 from backends.speculative.drafters import Drafter, ModelDrafter
 from backends.speculative.engine import K_LIMIT, SpeculativeEngine, measure_step_times, step_costs
 from backends.speculative.factory import DrafterConfig, DrafterKind, build_drafter
-from backends.speculative.kv import BatchedCache
 from backends.speculative.stats import SpeculationStats
 from policies.profile import (
     AcceptanceProfile,
@@ -140,9 +140,9 @@ def measure_curve(
     loaded: LoadedModel, config: ProfileConfig, widths: Sequence[int], label: str, progress: bool
 ) -> CostCurve:
     """Fastest of `repeats` pass times for every batch × width, `context_tokens` cached per sequence."""
-    pad_id, context, repeats = loaded.tokenizer.pad_token_id, config.context_tokens, config.repeats
+    context, repeats = config.context_tokens, config.repeats
     rows = [
-        list(measure_step_times(loaded.model, pad_id, b, widths, context, repeats).values())
+        list(measure_step_times(loaded.model, b, widths, context, repeats).values())
         for b in tqdm(config.batches, desc=label, unit="batch", disable=not progress)
     ]
     return CostCurve(batches=list(config.batches), widths=list(widths), seconds=rows)
@@ -151,7 +151,7 @@ def measure_curve(
 @torch.inference_mode()
 def measure_prefill(loaded: LoadedModel, lengths: Sequence[int], progress: bool) -> CostCurve:
     """Best-of-3 prefill seconds of one prompt of each length: the time to first token."""
-    model, pad_id = loaded.model, loaded.tokenizer.pad_token_id
+    model = loaded.model
     vocab = model.get_output_embeddings().weight.shape[0]
     generator = torch.Generator().manual_seed(0)
     seconds = []
@@ -160,7 +160,8 @@ def measure_prefill(loaded: LoadedModel, lengths: Sequence[int], progress: bool)
         for _ in range(PREFILL_REPEATS):
             prompt = torch.randint(0, vocab, (1, length), generator=generator).tolist()
             started = time.perf_counter()
-            float(BatchedCache(model, pad_id).prefill(prompt)[0, 0])  # reading a value waits for the device
+            cache = PagedCache(model, length)
+            float(cache.last_logits([cache.add()], prompt)[0, 0])  # reading a value waits for the device
             best = min(best, time.perf_counter() - started)
         seconds.append(best)
     return CostCurve(batches=[1], widths=list(lengths), seconds=[seconds])
@@ -262,9 +263,8 @@ def drafter_profile(
     probe does not see). Prompt lookup runs no model: its in-run cost per bucket is kept as is."""
     if not isinstance(drafter, ModelDrafter):
         return DrafterProfile(name=drafter.name, kind=kind, batches=list(in_run), step_seconds=list(in_run.values()))
-    pad_id = loaded.tokenizer.pad_token_id
     probed = [
-        measure_step_times(drafter.model, pad_id, b, [1], config.context_tokens, config.repeats)[1]
+        measure_step_times(drafter.model, b, [1], config.context_tokens, config.repeats)[1]
         for b in tqdm(config.batches, desc=f"draft step {drafter.name}", unit="batch", disable=not progress)
     ]
     probe = DrafterProfile(name=drafter.name, kind=kind, batches=list(config.batches), step_seconds=probed)

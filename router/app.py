@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from backends.errors import RequestError
+from backends.errors import Overloaded, RequestError
 from backends.generation import GenerationResult
 from backends.streaming import StreamEvent
 
@@ -41,14 +41,30 @@ MODEL_ALIASES = ("embedded", "default")
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None, kind: str = ""):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        kind: str = "",
+        headers: dict[str, str] | None = None,
+    ):
         super().__init__(message)
-        self.status, self.param, self.code = status, param, code
+        self.status, self.param, self.code, self.headers = status, param, code, headers
         self.kind = kind or ("invalid_request_error" if status < 500 else "server_error")
+
+    @classmethod
+    def refused(cls, exc: RequestError) -> ApiError:
+        """A backend's refusal: 429 with Retry-After when it is full, else 400."""
+        if isinstance(exc, Overloaded):
+            headers = {"Retry-After": str(exc.retry_after_s)}
+            return cls(429, str(exc), code="rate_limit_exceeded", kind="rate_limit_error", headers=headers)
+        return cls(400, str(exc))
 
     def response(self) -> JSONResponse:
         body = ErrorResponse(error=ErrorBody(message=str(self), type=self.kind, param=self.param, code=self.code))
-        return JSONResponse(body.model_dump(), status_code=self.status)
+        return JSONResponse(body.model_dump(), status_code=self.status, headers=self.headers)
 
 
 class AdviseRequest(BaseModel):
@@ -207,7 +223,7 @@ async def _complete(request: Request, body: ChatCompletionRequest | CompletionRe
         async for event in events:
             result = event.result or result
     except RequestError as exc:
-        raise ApiError(400, str(exc)) from None
+        raise ApiError.refused(exc) from None
     except Exception as exc:
         log.exception("request failed on every attempt")
         raise ApiError(503, f"no backend could finish the request ({type(exc).__name__}); retry later") from None
@@ -220,7 +236,7 @@ async def _first_event(events: AsyncIterator[StreamEvent]) -> StreamEvent:
     try:
         return await anext(events)
     except RequestError as exc:
-        raise ApiError(400, str(exc)) from None
+        raise ApiError.refused(exc) from None
     except StopAsyncIteration:
         raise ApiError(500, "the backend produced nothing") from None
     except Exception as exc:

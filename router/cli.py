@@ -277,9 +277,17 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
 
 def _add_bench_load_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--url", default="http://127.0.0.1:8000", help="the running service")
-    parser.add_argument("--concurrency", default="1,2,4,8,16,32", help="comma-separated concurrency levels")
+    parser.add_argument("--concurrency", default="1,2,4,8,16,32", help="comma-separated closed-loop levels")
+    parser.add_argument(
+        "--request-rate", help="comma-separated requests/s: an open loop (Poisson arrivals) instead of --concurrency"
+    )
     parser.add_argument("--modes", default="auto,speculative,plain,quantized", help="router (auto) and forced backends")
-    parser.add_argument("--requests", type=int, help="requests per mode and level (default: max(8, 2 × level))")
+    parser.add_argument(
+        "--batching", default="continuous", help="continuous, static or both (static,continuous): the A/B baseline"
+    )
+    parser.add_argument("--join-probe", action="store_true", help="time a short request joining a busy backend")
+    parser.add_argument("--seed", type=int, default=0, help="seeds the open loop's arrival times")
+    parser.add_argument("--requests", type=int, help="requests per cell (default: max(8, 2 × c) or ~20 s of arrivals)")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--categories", help="comma-separated prompt categories (default: all)")
@@ -327,7 +335,7 @@ def run_train_drafter(args: argparse.Namespace) -> int:
     path, card = train_drafter(config, loaded, log=lambda line: print(line, file=sys.stderr))
     print(render_card(card))
     print(f"\nweights: {path}\ncard:    {path.with_suffix('.json')}")
-    print(f"use it:  specroute generate --speculative {card.kind} --drafter-weights {path.parent} \"PROMPT\"")
+    print(f'use it:  specroute generate --speculative {card.kind} --drafter-weights {path.parent} "PROMPT"')
     return 0
 
 
@@ -353,13 +361,19 @@ def run_serve(args: argparse.Namespace) -> int:
 def run_bench_load(args: argparse.Namespace) -> int:
     import asyncio
 
-    from router.bench_load import LoadConfig, render_load, run_load
+    from router.bench_load import run_load
+    from router.load_models import LoadConfig
+    from router.load_report import render_load
 
     config = LoadConfig(
         url=args.url,
         api_key=args.api_key,
         concurrency=_int_list(args.concurrency, "--concurrency"),
+        request_rates=_float_list(args.request_rate, "--request-rate") if args.request_rate else None,
         modes=_str_list(args.modes),
+        batching=_str_list(args.batching),
+        join_probe=args.join_probe,
+        seed=args.seed,
         requests_per_level=args.requests,
         max_tokens=args.max_tokens,
         temperature=args.temperature,
@@ -625,6 +639,13 @@ def _int_list(text: str, flag: str) -> list[int]:
         return [int(part) for part in text.split(",") if part.strip()]
     except ValueError as exc:
         raise UsageError(f"{flag} takes comma-separated integers, e.g. 1,4,16 (got '{text}')") from exc
+
+
+def _float_list(text: str, flag: str) -> list[float]:
+    try:
+        return [float(part) for part in text.split(",") if part.strip()]
+    except ValueError as exc:
+        raise UsageError(f"{flag} takes comma-separated numbers, e.g. 0.5,1,2 (got '{text}')") from exc
 
 
 def format_validation_error(exc: ValidationError) -> str:

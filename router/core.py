@@ -16,7 +16,7 @@ from typing import Any, Protocol
 from pydantic import BaseModel, ConfigDict, Field
 from transformers import PreTrainedTokenizerBase
 
-from backends.errors import RequestError
+from backends.errors import Overloaded, RequestError
 from backends.generation import GenerationRequest, GenerationResult
 from backends.plain import prompt_ids
 from backends.streaming import StreamEvent
@@ -45,7 +45,9 @@ class Limits(BaseModel):
 
 
 class BackendPool(Protocol):
-    def stream(self, backend: str, request: dict[str, Any], drafter: str | None) -> AsyncIterator[StreamEvent]: ...
+    def stream(
+        self, backend: str, request: dict[str, Any], drafter: str | None, batching: str = "continuous"
+    ) -> AsyncIterator[StreamEvent]: ...
 
 
 class Metrics(Protocol):
@@ -224,7 +226,9 @@ class RouterCore:
         while True:
             request = self._resumed(prepared.request, sent)
             try:
-                async for event in self._tracked(backend, request, drafter):
+                async for event in self._tracked(backend, request, drafter, prepared.options.batching):
+                    if event.error and event.retry_after_s is not None:
+                        raise Overloaded(event.error, event.retry_after_s)
                     if event.error:
                         raise RequestError(event.error)
                     sent += event.token_ids
@@ -246,11 +250,11 @@ class RouterCore:
                 backend, drafter = "plain", None
                 await asyncio.sleep(0.2 * attempts)
 
-    async def _tracked(self, backend: str, request: GenerationRequest, drafter: str | None):
+    async def _tracked(self, backend: str, request: GenerationRequest, drafter: str | None, batching: str):
         self.load[backend] += 1
         self.metrics.in_flight(backend, self.load[backend])
         try:
-            async for event in self.pool.stream(backend, request.model_dump(mode="json"), drafter):
+            async for event in self.pool.stream(backend, request.model_dump(mode="json"), drafter, batching):
                 yield event
         finally:
             self.load[backend] -= 1
@@ -296,14 +300,19 @@ class RouterCore:
         except (ProfileError, KeyError, ValueError) as exc:  # a drafter the profile never measured
             log.info("α feedback skipped: %s", exc)
 
+    def below_quality_floor(self) -> list[str]:
+        """Backends the policy may not pick for quality (the int8 backend under its agreement floor)."""
+        quantized, floor = self.profile.quantized, self.policy.quantization.min_agreement
+        return ["quantized"] if quantized is None or quantized.agreement < floor else []
+
     def health(self) -> dict[str, Any]:
         m = self.profile.model
         return {
             "status": "ok",
             "in_flight": {b: self.load[b] for b in BACKEND_NAMES},
+            "below_quality_floor": self.below_quality_floor(),
             "policy": self.policy.model_dump(mode="json"),
             "policy_error": self.policy_error,
             "served_drafters": self.drafters,
             "profile": f"{m.name} {m.dtype}, measured {self.profile.created:%Y-%m-%d %H:%M} UTC",
         }
-

@@ -32,6 +32,10 @@ class SpecrouteOptions(_Strict):
     category: str | None = Field(
         None, max_length=64, description="the prompt's category, if known: sharpens the α prediction"
     )
+    batching: Literal["continuous", "static"] = Field(
+        "continuous",
+        description="'static': the baseline engine queue (batches run to completion), for benchmarks only",
+    )
 
 
 class StreamOptions(_Strict):

@@ -61,8 +61,10 @@ class HandlePool:
     def __init__(self, handles: dict[str, DeploymentHandle]):
         self.handles = {name: h.options(stream=True) for name, h in handles.items()}
 
-    async def stream(self, backend: str, request: dict[str, Any], drafter: str | None) -> AsyncIterator[StreamEvent]:
-        async for event in self.handles[backend].generate.remote(request, drafter):
+    async def stream(
+        self, backend: str, request: dict[str, Any], drafter: str | None, batching: str = "continuous"
+    ) -> AsyncIterator[StreamEvent]:
+        async for event in self.handles[backend].generate.remote(request, drafter, batching):
             yield event
 
 

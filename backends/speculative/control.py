@@ -1,5 +1,6 @@
-"""Choosing k from measurements: the target's step-time curve, the drafter's cost per token and a
-running acceptance estimate per request, fed to the cost model E(α, k) / (k·c + v(b, k))."""
+"""What choosing k per step needs measured: the target's step-time curve, each drafter's cost per
+draft step, and running acceptance and proposal-rate estimates per request and per drafter, which
+the step loop feeds to the cost model's `plan_step`."""
 
 from __future__ import annotations
 
@@ -7,8 +8,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
-
-from policies.cost_model import best_k
 
 Probe = Callable[[int, Sequence[int]], dict[int, float]]  # (batch, widths) -> seconds per width
 
@@ -71,18 +70,32 @@ class StepCosts:
 
 @dataclass
 class DraftCosts:
-    """One drafter's seconds per sequential draft step at each batch bucket (moving average).
-    Kept per engine: drafters differ by orders of magnitude, so their costs must not mix."""
+    """One drafter's seconds per sequential draft step at each batch bucket, and per context token
+    it catches up on before drafting (moving averages). Kept per drafter: drafters differ by orders
+    of magnitude, so their costs must not mix."""
 
     smoothing: float = 0.2
     step_s: dict[int, float] = field(default_factory=dict)
+    catch_up_token_s: float | None = None
 
-    def record(self, batch: int, steps: int, seconds: float) -> None:
+    def record(self, batch: int, steps: int, seconds: float, backlog: int = 0) -> None:
+        """A draft call of `steps` sequential steps for `batch` rows took `seconds`, `backlog`
+        tokens of it catching up: a steady call (no backlog) times the steps, the rest of a
+        catch-up call (once a steady time is known) times the catching up."""
         if steps <= 0:
             return
-        bucket, per_step = batch_bucket(batch), seconds / steps
-        old = self.step_s.get(bucket)
-        self.step_s[bucket] = per_step if old is None else (1 - self.smoothing) * old + self.smoothing * per_step
+        bucket = batch_bucket(batch)
+        if not backlog or bucket not in self.step_s:
+            self.step_s[bucket] = self._smoothed(self.step_s.get(bucket), seconds / steps)
+        if backlog:
+            per_token = max(seconds - steps * self.step_s[bucket], 0.0) / backlog
+            self.catch_up_token_s = self._smoothed(self.catch_up_token_s, per_token)
+
+    def catch_up_s(self, backlog: int) -> float:
+        return backlog * (self.catch_up_token_s or 0.0)
+
+    def _smoothed(self, old: float | None, new: float) -> float:
+        return new if old is None else (1 - self.smoothing) * old + self.smoothing * new
 
     def relative(self, batch: int, target: StepCosts) -> float | None:
         """c: one draft step over one target step at this batch; None until measured."""
@@ -91,57 +104,54 @@ class DraftCosts:
 
 
 @dataclass
-class AcceptanceTracker:
-    """Running Beta posterior over a per-token acceptance probability α.
+class RateEstimate:
+    """Running Beta posterior over a probability (a drafted token's acceptance, a step's chance of
+    having a proposal). Old evidence decays so the estimate follows the text (a copied passage,
+    then free prose)."""
 
-    Each verified block is a run of Bernoulli trials that stops at the first rejection, so the
-    evidence is accepted tokens out of tokens actually judged (accepted + the rejected one).
-    Old evidence decays so the estimate follows the text (a copied passage, then free prose).
-    """
-
-    prior_alpha: float = 0.5
+    prior_mean: float = 0.5
     prior_weight: float = 2.0
     decay: float = 0.9
-    accepted: float = 0.0
-    judged: float = 0.0
+    successes: float = 0.0
+    trials: float = 0.0
 
     @property
-    def alpha(self) -> float:
+    def mean(self) -> float:
         a, b = self._beta()
         return a / (a + b)
 
     def sample(self, rng: np.random.Generator) -> float:
         return float(rng.beta(*self._beta()))
 
-    def update(self, drafted: int, accepted: int) -> None:
-        if drafted == 0:
-            return
-        judged = accepted + (1 if accepted < drafted else 0)
-        self.accepted = self.decay * self.accepted + accepted
-        self.judged = self.decay * self.judged + judged
+    def add(self, successes: float, trials: float) -> None:
+        self.successes = self.decay * self.successes + successes
+        self.trials = self.decay * self.trials + trials
 
     def _beta(self) -> tuple[float, float]:
-        prior = min(max(self.prior_alpha, 0.01), 0.99) * self.prior_weight
-        return prior + self.accepted, self.prior_weight - prior + self.judged - self.accepted
+        prior = min(max(self.prior_mean, 0.01), 0.99) * self.prior_weight
+        return prior + self.successes, self.prior_weight - prior + self.trials - self.successes
 
 
 @dataclass
-class KChooser:
-    """Per request: the k maximising expected tokens per unit time, 0 when no k beats a plain step.
+class DraftOutlook:
+    """What one sequence (or one drafter, across sequences) has shown so far: α over the tokens
+    judged — a verified block is a run of Bernoulli trials that stops at the first rejection, so
+    the evidence is accepted tokens out of accepted + the rejected one — and ρ over the steps that
+    asked for drafts."""
 
-    k is chosen by Thompson sampling: α is drawn from the request's posterior, so an uncertain
-    estimate still tries drafting now and then (and notices when the text turns predictable),
-    while a confident low estimate almost never pays for a wasted draft.
-    """
+    alpha: RateEstimate = field(default_factory=RateEstimate)
+    proposal: RateEstimate = field(default_factory=lambda: RateEstimate(prior_mean=0.9))
 
-    k_max: int
-    tracker: AcceptanceTracker
-    rng: np.random.Generator
+    def observe(self, asked: int, drafted: int, accepted: int) -> None:
+        if not asked:
+            return
+        self.proposal.add(1.0 if drafted else 0.0, 1.0)
+        if drafted:
+            self.alpha.add(accepted, accepted + (1 if accepted < asked else 0))
 
-    def choose(self, c: float | None, verify_costs: list[float]) -> int:
-        """k for the next step given the drafter's cost c (None: not measured yet) and v(b, ·)."""
-        k, _ = best_k(self.tracker.sample(self.rng), 0.0 if c is None else c, verify_costs, self.k_max)
-        return k
-
-    def observe(self, drafted: int, accepted: int) -> None:
-        self.tracker.update(drafted, accepted)
+    def seeded(self, weight: float) -> DraftOutlook:
+        """A new sequence's outlook, starting from this one's estimates with `weight` samples."""
+        return DraftOutlook(
+            RateEstimate(prior_mean=self.alpha.mean, prior_weight=weight),
+            RateEstimate(prior_mean=self.proposal.mean, prior_weight=weight),
+        )

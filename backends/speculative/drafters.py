@@ -1,6 +1,7 @@
 """Drafters: strategies that propose the next k tokens of each sequence in a batch.
 
-The engine only calls `start`, `propose`, `observe`, `select` and `fresh`; it never looks inside.
+The engine only calls `propose`, `observe`, `observe_target`, `release` and `fresh`; it never
+looks inside.
 A proposal carries the tokens and, for drafters that sample, the distribution q each token was
 drawn from (None means deterministic: q is one-hot at the token).
 """
@@ -16,14 +17,16 @@ import torch
 from transformers import PreTrainedModel
 
 from ..errors import ModelLoadError
+from ..kv import UNBOUNDED_TOKENS, PagedCache, check_full_attention
 from ..sampling import SamplingParams, draw, target_probs
-from .kv import BatchedCache
 
 
 @dataclass
 class DraftRow:
-    """What a drafter may read about one sequence: prompt, tokens so far, how it samples."""
+    """What a drafter may read about one sequence: prompt, tokens so far, how it samples. `key`
+    names the sequence for as long as it runs: drafters keep their per-sequence state under it."""
 
+    key: int
     prompt_ids: list[int]
     token_ids: list[int]
     sampling: SamplingParams
@@ -50,34 +53,40 @@ class Proposal:
 
 
 class Drafter(ABC):
+    """One drafter serves every sequence of a step loop: sequences join and leave at any step, so
+    per-sequence state lives under `DraftRow.key`, is created the first time a key is seen (a
+    drafter catches up on the context it has not read yet) and dropped by `release`."""
+
     name: str = "drafter"
     # Hidden-state indices of the target (0 = embeddings, last = post-norm) this drafter reads;
-    # when non-empty the engine starts it right after prefill and calls `observe_target`.
+    # when non-empty the engine calls `observe_target` after every target pass over its rows.
     feature_layers: tuple[int, ...] = ()
     max_draft: int | None = None  # the most tokens one proposal can hold (None: no limit)
 
-    def start(self, rows: Sequence[DraftRow]) -> None:  # noqa: B027 - optional hook
-        """A new batch begins; rows hold the prompt and the first generated token."""
-
     @abstractmethod
     def propose(self, rows: Sequence[DraftRow], ks: Sequence[int]) -> Proposal:
-        """Up to ks[b] tokens continuing row b. Draws randomness only from rows[b].generator,
-        and only for rows that sample and asked for tokens."""
+        """Up to ks[b] ≥ 1 tokens continuing row b. Draws randomness only from rows[b].generator,
+        and only for rows that sample."""
 
-    def observe(self, accepted: Sequence[int]) -> None:  # noqa: B027 - optional hook
-        """How many of the last proposal's tokens each row accepted (roll back the rest)."""
+    def observe(self, rows: Sequence[DraftRow], accepted: Sequence[int]) -> None:  # noqa: B027 - optional hook
+        """How many of the last proposal's tokens each of its rows accepted (roll back the rest)."""
 
-    def select(self, rows: Sequence[int]) -> None:  # noqa: B027 - optional hook
-        """Only these rows remain in the batch (the others finished)."""
+    def backlog(self, row: DraftRow) -> int:
+        """Tokens of the row's context this drafter would have to read before drafting (a row
+        that just joined, or that went without drafts for a while): what drafting now costs extra."""
+        return 0
 
-    def observe_target(self, features: Sequence[torch.Tensor]) -> None:  # noqa: B027 - optional hook
+    def release(self, key: int) -> None:  # noqa: B027 - optional hook
+        """The sequence left: forget its state."""
+
+    def observe_target(self, rows: Sequence[DraftRow], features: Sequence[torch.Tensor]) -> None:  # noqa: B027
         """Per row, the target's hidden states (`feature_layers` concatenated) of the tokens that
-        just became verified context, in order: after prefill the whole prompt, after each step
+        just became verified context, in order: after a prompt chunk its tokens, after each step
         the pending token and the accepted drafts. The row's newest token has none yet."""
 
     @abstractmethod
     def fresh(self) -> Drafter:
-        """The same drafter with no per-batch state, sharing any weights: one per engine."""
+        """The same drafter with no per-sequence state, sharing any weights: one per engine."""
 
 
 @dataclass
@@ -99,19 +108,21 @@ class NgramDrafter(Drafter):
         if not 1 <= min_n <= max_n:
             raise ValueError(f"need 1 <= min_n <= max_n (got min_n={min_n}, max_n={max_n})")
         self.max_n, self.min_n = max_n, min_n
-        self.indexes: list[_NgramIndex] = []
-
-    def start(self, rows: Sequence[DraftRow]) -> None:
-        self.indexes = [_NgramIndex({n: {} for n in range(self.min_n, self.max_n + 1)}) for _ in rows]
+        self.indexes: dict[int, _NgramIndex] = {}
 
     def propose(self, rows: Sequence[DraftRow], ks: Sequence[int]) -> Proposal:
-        return Proposal([self._lookup(row, index, k) for row, index, k in zip(rows, self.indexes, ks, strict=True)])
+        return Proposal([self._lookup(row, self._index(row.key), k) for row, k in zip(rows, ks, strict=True)])
 
-    def select(self, rows: Sequence[int]) -> None:
-        self.indexes = [self.indexes[r] for r in rows]
+    def release(self, key: int) -> None:
+        self.indexes.pop(key, None)
 
     def fresh(self) -> NgramDrafter:
         return NgramDrafter(self.max_n, self.min_n)
+
+    def _index(self, key: int) -> _NgramIndex:
+        if key not in self.indexes:
+            self.indexes[key] = _NgramIndex({n: {} for n in range(self.min_n, self.max_n + 1)})
+        return self.indexes[key]
 
     def _lookup(self, row: DraftRow, index: _NgramIndex, k: int) -> list[int]:
         if k <= 0:
@@ -133,9 +144,20 @@ class NgramDrafter(Drafter):
         return []
 
 
+@dataclass
+class _DraftSequence:
+    """A model drafter's view of one sequence: its id in the drafter's cache, the tokens whose keys
+    sit there, and how many of them are known to equal the sequence's context."""
+
+    seq: int
+    cached: list[int] = field(default_factory=list)
+    synced: int = 0
+
+
 class ModelDrafter(Drafter):
     """A causal LM sharing the target's vocabulary drafts autoregressively with its own KV cache,
-    rolled back to the accepted prefix after each verification."""
+    rolled back to the accepted prefix after each verification. A sequence it has not seen (or
+    not drafted for in a while) first catches up on the context it is missing."""
 
     name = "model"
 
@@ -147,32 +169,23 @@ class ModelDrafter(Drafter):
                 "a drafter must share the target's tokenizer"
             )
         self.model, self.pad_id = model, pad_id
-        self.cache: BatchedCache | None = None
-        self.cached: list[list[int]] = []  # token ids whose keys/values sit in the cache, per row
-        self.synced: list[int] = []  # how many of them are known to equal the sequence's context
-
-    @torch.inference_mode()
-    def start(self, rows: Sequence[DraftRow]) -> None:
-        self.cache = BatchedCache(self.model, self.pad_id)
-        prompts = [row.context()[:-1] for row in rows]
-        self.cache.prefill(prompts)
-        self.cached = prompts
-        self.synced = [len(p) for p in prompts]
+        check_full_attention(model)
+        self.cache: PagedCache | None = None
+        self.sequences: dict[int, _DraftSequence] = {}
 
     @torch.inference_mode()
     def propose(self, rows: Sequence[DraftRow], ks: Sequence[int]) -> Proposal:
-        assert self.cache is not None, "start() comes first"
-        steps = max(ks)
-        if steps == 0:
+        if max(ks, default=0) == 0:
             return Proposal([[] for _ in rows])
-        pending = self._rollback_to_context(rows)
-        cache = self.cache
+        states = [self._state(row.key) for row in rows]
+        pending = [self._rollback_to_context(row, state) for row, state in zip(rows, states, strict=True)]
+        cache, seqs = self._cache(), [s.seq for s in states]
         proposal = draft_autoregressively(
-            cache.extend_last(pending), rows, ks, lambda blocks: cache.extend_last(blocks)
+            cache.last_logits(seqs, pending), rows, ks, lambda blocks: cache.last_logits(seqs, blocks)
         )
-        for b, (row, k) in enumerate(zip(rows, ks, strict=True)):
-            self.cached[b] = self.cached[b] + pending[b] + proposal.tokens[b][: max(k - 1, 0)]
-            self.synced[b] = row.length
+        for state, row, block, tokens, k in zip(states, rows, pending, proposal.tokens, ks, strict=True):
+            state.cached += block + tokens[: max(k - 1, 0)]
+            state.synced = row.length
         return proposal
 
     def fresh(self) -> ModelDrafter:
@@ -180,36 +193,49 @@ class ModelDrafter(Drafter):
         drafter.name = self.name
         return drafter
 
-    def observe(self, accepted: Sequence[int]) -> None:
+    def observe(self, rows: Sequence[DraftRow], accepted: Sequence[int]) -> None:
         """Roll the cache back to the context plus the accepted drafts."""
-        assert self.cache is not None
-        keep = [min(len(c), s + n) for c, s, n in zip(self.cached, self.synced, accepted, strict=True)]
-        self.cached = [c[:k] for c, k in zip(self.cached, keep, strict=True)]
-        self.cache.truncate(keep)
+        for row, n in zip(rows, accepted, strict=True):
+            state = self.sequences[row.key]
+            keep = min(len(state.cached), state.synced + n)
+            del state.cached[keep:]
+            self._cache().truncate(state.seq, keep)
 
-    def select(self, rows: Sequence[int]) -> None:
-        assert self.cache is not None
-        self.cache.select(rows)
-        self.cached = [self.cached[r] for r in rows]
-        self.synced = [self.synced[r] for r in rows]
+    def release(self, key: int) -> None:
+        state = self.sequences.pop(key, None)
+        if state is not None:
+            self._cache().remove(state.seq)
 
-    def _rollback_to_context(self, rows: Sequence[DraftRow]) -> list[list[int]]:
-        """Drop cached tokens past the longest prefix each row shares with its context; return
-        what each row still has to feed (never empty: the last token's logits start the draft)."""
-        assert self.cache is not None
-        keep = []
-        for b, row in enumerate(rows):
-            cached = self.cached[b]
-            base = min(self.synced[b], len(cached))
-            tail = row.context(base)
-            same = 0
-            while base + same < len(cached) and same < len(tail) and cached[base + same] == tail[same]:
-                same += 1
-            keep.append(min(base + same, row.length - 1))
-        if any(k < len(c) for k, c in zip(keep, self.cached, strict=True)):
-            self.cache.truncate(keep)
-            self.cached = [c[:k] for c, k in zip(self.cached, keep, strict=True)]
-        return [row.context(k) for row, k in zip(rows, keep, strict=True)]
+    def backlog(self, row: DraftRow) -> int:
+        state = self.sequences.get(row.key)
+        return row.length if state is None else row.length - min(state.synced, len(state.cached))
+
+    def _cache(self) -> PagedCache:
+        if self.cache is None:
+            # Unbounded here: every sequence's draft cache is at most its context plus a draft, so
+            # the target's cache, which admits only what fits, bounds this one too.
+            self.cache = PagedCache(self.model, max_tokens=UNBOUNDED_TOKENS)
+        return self.cache
+
+    def _state(self, key: int) -> _DraftSequence:
+        if key not in self.sequences:
+            self.sequences[key] = _DraftSequence(self._cache().add())
+        return self.sequences[key]
+
+    def _rollback_to_context(self, row: DraftRow, state: _DraftSequence) -> list[int]:
+        """Drop cached tokens past the longest prefix the sequence shares with its context; return
+        what it still has to feed (never empty: the last token's logits start the draft)."""
+        cached = state.cached
+        base = min(state.synced, len(cached))
+        tail = row.context(base)
+        same = 0
+        while base + same < len(cached) and same < len(tail) and cached[base + same] == tail[same]:
+            same += 1
+        keep = min(base + same, row.length - 1)
+        if keep < len(cached):
+            del cached[keep:]
+            self._cache().truncate(state.seq, keep)
+        return row.context(keep)
 
 
 def draft_autoregressively(

@@ -127,7 +127,7 @@ class EagleNet(torch.nn.Module):
         cache: Cache | None = None,
         logits_to_keep: int | torch.Tensor = 0,
     ) -> DraftOutput:
-        """The interface `BatchedCache` drives (logits_to_keep as in transformers)."""
+        """The interface `PagedCache` drives (logits_to_keep as in transformers)."""
         assert self.head is not None
         hidden = self.hidden(input_ids, features, attention_mask, position_ids, cache)
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep

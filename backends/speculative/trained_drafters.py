@@ -4,7 +4,7 @@
   (target feature, next token) pairs; after each verification the pairs it drafted on its own
   predicted features are dropped and the target's true features of the accepted tokens fed.
 - `MedusaDrafter`: head j reads the target's newest verified feature and proposes the token j+1
-  places ahead; no state but that feature.
+  places ahead; no state but that feature per sequence.
 - `adapter_exit_model`: the target's first L layers, the trained adapter, the final norm and a
   draft-vocabulary LM head, as a causal LM that `ModelDrafter` drives (weights shared with the
   target, its own cache of those L layers).
@@ -15,10 +15,12 @@ All three draw from logits that are -inf outside their draft vocabulary, so q is
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 from transformers import PreTrainedModel
 
+from ..kv import UNBOUNDED_TOKENS, PagedCache
 from .drafters import (
     Drafter,
     DraftRow,
@@ -28,8 +30,14 @@ from .drafters import (
     draw_drafts,
     early_exit_model,
 )
-from .kv import BatchedCache
 from .trained import AdaptedNorm, EagleNet, ExitAdapter, MedusaNet, TrainedDrafter
+
+
+@dataclass
+class _EagleSequence:
+    seq: int  # in the head's own cache
+    unfed: list[torch.Tensor] = field(default_factory=list)  # true features not yet in the cache
+    fed: int = 0  # true (feature, token) pairs in the cache
 
 
 class EagleDrafter(Drafter):
@@ -39,60 +47,64 @@ class EagleDrafter(Drafter):
         assert isinstance(trained.net, EagleNet)
         self.trained, self.net, self.pad_id = trained, trained.net, pad_id
         self.feature_layers = tuple(trained.card.layers)
-        self.cache: BatchedCache | None = None
-        self.unfed: list[list[torch.Tensor]] = []  # true features not yet in the cache, per row
-        self.fed: list[int] = []  # true (feature, token) pairs in the cache, per row
+        # Unbounded here: the head caches one pair per verified token, which the target's cache bounds.
+        self.cache = PagedCache(self.net, max_tokens=UNBOUNDED_TOKENS)
+        self.sequences: dict[int, _EagleSequence] = {}
 
     def fresh(self) -> EagleDrafter:
         return EagleDrafter(self.trained, self.pad_id)
 
-    def start(self, rows: Sequence[DraftRow]) -> None:
-        self.cache = BatchedCache(self.net, self.pad_id)
-        self.cache.start_empty(len(rows))
-        self.unfed = [[] for _ in rows]
-        self.fed = [0 for _ in rows]
+    def observe_target(self, rows: Sequence[DraftRow], features: Sequence[torch.Tensor]) -> None:
+        for row, f in zip(rows, features, strict=True):
+            self._state(row.key).unfed.append(f)
 
-    def observe_target(self, features: Sequence[torch.Tensor]) -> None:
-        for pending, f in zip(self.unfed, features, strict=True):
-            pending.append(f)
+    def release(self, key: int) -> None:
+        state = self.sequences.pop(key, None)
+        if state is not None:
+            self.cache.remove(state.seq)
 
-    def select(self, rows: Sequence[int]) -> None:
-        assert self.cache is not None
-        self.cache.select(rows)
-        self.unfed = [self.unfed[r] for r in rows]
-        self.fed = [self.fed[r] for r in rows]
+    def backlog(self, row: DraftRow) -> int:
+        state = self.sequences.get(row.key)
+        return row.length if state is None else row.length - 1 - state.fed
+
+    def _state(self, key: int) -> _EagleSequence:
+        if key not in self.sequences:
+            self.sequences[key] = _EagleSequence(self.cache.add())
+        return self.sequences[key]
 
     @torch.inference_mode()
     def propose(self, rows: Sequence[DraftRow], ks: Sequence[int]) -> Proposal:
-        assert self.cache is not None, "start() comes first"
-        steps = max(ks)
-        if steps == 0:
+        if max(ks, default=0) == 0:
             return Proposal([[] for _ in rows])
-        # Pairs drafted on predicted features last time are replaced by the target's true ones.
-        self.cache.truncate(self.fed)
-        cache = self.cache
-        blocks, features = self._true_pairs(rows)
-        logits, hidden = cache.extend_last_outputs(blocks, features=features)
-        last = [hidden]  # each drafted token is paired with the feature predicted before it
+        states = [self._state(row.key) for row in rows]
+        for state in states:  # pairs drafted on predicted features last time give way to true ones
+            self.cache.truncate(state.seq, state.fed)
+        seqs = [s.seq for s in states]
+        blocks, features = self._true_pairs(rows, states)
+        out = self.cache.forward(seqs, blocks, keep="last", features=features)
+        last = [out.hidden]  # each drafted token is paired with the feature predicted before it
 
         def feed(blocks: list[list[int]]) -> torch.Tensor:
-            logits, last[0] = cache.extend_last_outputs(blocks, features=last[0].unsqueeze(1))
-            return logits
+            out = self.cache.forward(seqs, blocks, keep="last", features=last[0].unsqueeze(1))
+            last[0] = out.hidden
+            return out.logits
 
-        return draft_autoregressively(logits, rows, ks, feed)
+        return draft_autoregressively(out.logits, rows, ks, feed)
 
-    def _true_pairs(self, rows: Sequence[DraftRow]) -> tuple[list[list[int]], torch.Tensor]:
+    def _true_pairs(
+        self, rows: Sequence[DraftRow], states: Sequence[_EagleSequence]
+    ) -> tuple[list[list[int]], torch.Tensor]:
         """Pair i is (feature of context token i, context token i + 1): every verified feature not
         yet fed, with the tokens that follow them, right-padded into one block."""
         blocks, feats = [], []
-        for b, row in enumerate(rows):
-            pending = torch.cat(self.unfed[b]) if self.unfed[b] else None
+        for row, state in zip(rows, states, strict=True):
+            pending = torch.cat(state.unfed) if state.unfed else None
             count = 0 if pending is None else pending.shape[0]
-            assert self.fed[b] + count == row.length - 1, "the engine reports every verified token's feature"
-            blocks.append(row.context(self.fed[b] + 1, row.length))
+            assert state.fed + count == row.length - 1, "the engine reports every verified token's feature"
+            blocks.append(row.context(state.fed + 1, row.length))
             feats.append(pending)
-            self.fed[b] += count
-            self.unfed[b] = []
+            state.fed += count
+            state.unfed = []
         width = max(max(len(b) for b in blocks), 1)
         size = self.net.config.hidden_size * len(self.feature_layers)
         padded = torch.zeros((len(rows), width, size), dtype=self.net.fc.weight.dtype, device=self.cache.device)
@@ -110,27 +122,26 @@ class MedusaDrafter(Drafter):
         self.trained, self.net, self.head = trained, trained.net, trained.head
         self.feature_layers = tuple(trained.card.layers)
         self.max_draft = len(self.net.heads)
-        self.latest: list[torch.Tensor | None] = []
+        self.latest: dict[int, torch.Tensor] = {}  # per sequence: the newest verified token's feature
 
     def fresh(self) -> MedusaDrafter:
         return MedusaDrafter(self.trained)
 
-    def start(self, rows: Sequence[DraftRow]) -> None:
-        self.latest = [None for _ in rows]
+    def observe_target(self, rows: Sequence[DraftRow], features: Sequence[torch.Tensor]) -> None:
+        for row, f in zip(rows, features, strict=True):
+            if len(f):
+                self.latest[row.key] = f[-1]
 
-    def observe_target(self, features: Sequence[torch.Tensor]) -> None:
-        self.latest = [f[-1] for f in features]
-
-    def select(self, rows: Sequence[int]) -> None:
-        self.latest = [self.latest[r] for r in rows]
+    def release(self, key: int) -> None:
+        self.latest.pop(key, None)
 
     @torch.inference_mode()
     def propose(self, rows: Sequence[DraftRow], ks: Sequence[int]) -> Proposal:
         steps = min(max(ks), len(self.net.heads))
         if steps == 0:
             return Proposal([[] for _ in rows])
-        features = torch.stack([f for f in self.latest if f is not None])
-        assert features.shape[0] == len(rows), "the engine reports the prompt's features before drafting"
+        assert all(row.key in self.latest for row in rows), "the engine reports the prompt's features before drafting"
+        features = torch.stack([self.latest[row.key] for row in rows])
         logits = self.head(self.net(features)[:, :steps])  # (B, steps, V)
         tokens, dists = [], []
         for j in range(steps):

@@ -16,10 +16,10 @@ from tqdm import tqdm
 
 from ..embedded import specroute_home
 from ..generation import ChatMessage, GenerationRequest
+from ..kv import capture_hidden_states
 from ..models import LoadedModel
 from ..plain import PlainEngine, left_pad, position_ids
 from ..speculative.drafters import early_exit_model
-from ..speculative.kv import capture_hidden_states
 from ..speculative.trained import fingerprint
 from .prompts import TrainingPrompt
 

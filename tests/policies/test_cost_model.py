@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from policies.cost_model import (
-    best_k,
+    RowOutlook,
     best_speculative_k,
     break_even_concurrency,
     effective_verify_costs,
@@ -12,6 +12,7 @@ from policies.cost_model import (
     expected_tokens,
     knee,
     per_token_seconds,
+    plan_step,
     speedup,
     step_cost,
     step_model,
@@ -47,18 +48,56 @@ def test_speedup_is_tokens_over_cost_and_one_for_a_plain_step():
         speedup(0.5, 0, c=0.0, v=0.0)
 
 
-def test_best_k_grows_with_acceptance_and_is_zero_when_drafting_cannot_pay():
-    verify = [1.0, 1.05, 1.1, 1.15, 1.2, 1.3, 1.4, 1.5, 1.6]
-    assert best_k(0.05, 0.3, verify)[0] == 0
-    low, high = best_k(0.5, 0.05, verify), best_k(0.95, 0.05, verify)
+def _solo(alpha: float, cap: int = 8, drafter: str = "d", rho: float = 1.0) -> RowOutlook:
+    return RowOutlook(drafter, alpha, rho, cap)
+
+
+PASS_S = [0.050 * v for v in (1.0, 1.05, 1.1, 1.15, 1.2, 1.3, 1.4, 1.5, 1.6)]
+
+
+def test_a_lone_row_drafts_more_as_acceptance_grows_and_not_at_all_when_it_cannot_pay():
+    assert plan_step([_solo(0.05)], PASS_S, {"d": 0.015}, k_max=8) == [0]
+    low, high = plan_step([_solo(0.5)], PASS_S, {"d": 0.0025}, 8), plan_step([_solo(0.95)], PASS_S, {"d": 0.0025}, 8)
     assert 0 < low[0] < high[0]
-    assert high[1] > low[1] > 1.0
 
 
-def test_best_k_respects_k_max_and_prefers_the_smaller_k_on_ties():
-    verify = [1.0] * 9
-    assert best_k(1.0, 0.0, verify, k_max=3)[0] == 3
-    assert best_k(0.0, 0.0, verify)[0] == 0  # every k emits one token for the same cost: take k = 0
+def test_the_plan_respects_caps_and_k_max_and_prefers_less_drafting_on_ties():
+    flat = [0.05] * 9
+    assert plan_step([_solo(1.0, cap=3)], flat, {}, k_max=8) == [3]
+    assert plan_step([_solo(1.0)], flat, {}, k_max=2) == [2]
+    assert plan_step([_solo(0.0)], flat, {}, k_max=8) == [0]  # every k emits one token for the same cost
+
+
+def test_rows_share_the_pass_width_so_a_weak_row_drafts_along_with_a_strong_one():
+    plan = plan_step([_solo(0.95, cap=6), _solo(0.05, cap=2), RowOutlook(None, 0.0, 0.0, 0)], PASS_S, {"d": 0.0}, 8)
+    assert plan[0] > 2 and plan[1] == 2 and plan[2] == 0  # drafting is free once the pass is wide anyway
+
+
+def test_a_costly_drafter_sits_out_while_a_free_one_drafts_in_the_same_pass():
+    rows = [_solo(0.8, drafter="ngram"), _solo(0.3, drafter="model")]
+    plan = plan_step(rows, PASS_S, {"ngram": 0.0, "model": 0.04}, k_max=8)
+    assert plan[0] > 0 and plan[1] == 0
+
+
+def test_a_drafter_that_must_first_catch_up_on_a_long_context_waits():
+    rows = [_solo(0.9)]
+    assert plan_step(rows, PASS_S, {"d": 0.002}, k_max=8)[0] > 0
+    assert plan_step(rows, PASS_S, {"d": 0.002}, k_max=8, catch_up_seconds={"d": 0.5}) == [0]
+
+
+def test_at_a_compute_bound_batch_no_row_drafts():
+    # Each extra token per row costs nearly a whole pass: decode is compute-bound here.
+    steep = [0.3 * w for w in range(1, 10)]
+    rows = [_solo(0.6) for _ in range(32)]
+    assert plan_step(rows, steep, {"d": 0.001}, k_max=8) == [0] * 32
+
+
+def test_a_rarely_proposing_drafter_pays_the_wide_pass_only_when_it_proposes():
+    rows = [_solo(0.7, drafter="ngram", rho=0.1)]
+    costly = [0.05 * (1 + 0.5 * (w - 1)) for w in range(1, 10)]
+    assert plan_step(rows, costly, {"ngram": 0.0}, k_max=8) == [1]
+    # Charged a wide pass on every step, the same single draft would lose.
+    assert tokens_per_step(0.7, 1, 0.1) / (costly[1] / costly[0]) < 1
 
 
 # ---- the additions the policy uses ----

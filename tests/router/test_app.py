@@ -42,7 +42,8 @@ class FakePool:
 
     A resumed request (`resume_ids`) continues after the words already sent. `fail_after[backend]
     = n` raises RuntimeError after n events on that backend; `error_after[backend] = (n, message)`
-    yields `StreamEvent(error=message)` after n events. Every call is recorded."""
+    yields `StreamEvent(error=message)` after n events; `full[backend] = s` answers that the backend
+    is full (retry after s seconds). Every call is recorded, with its batching."""
 
     def __init__(self, tokenizer) -> None:
         self.ids = [tokenizer.encode(w, add_special_tokens=False) for w in WORDS]
@@ -50,12 +51,18 @@ class FakePool:
         self.calls: list[tuple[str, dict[str, Any], str | None]] = []
         self.fail_after: dict[str, int] = {}
         self.error_after: dict[str, tuple[int, str]] = {}
+        self.full: dict[str, int] = {}
+        self.batching: list[str] = []
 
     def backends(self) -> list[str]:
         return [backend for backend, _, _ in self.calls]
 
-    async def stream(self, backend: str, request: dict[str, Any], drafter: str | None):
+    async def stream(self, backend: str, request: dict[str, Any], drafter: str | None, batching: str = "continuous"):
         self.calls.append((backend, request, drafter))
+        self.batching.append(batching)
+        if backend in self.full:
+            yield StreamEvent(error=f"the {backend} backend is full: retry later", retry_after_s=self.full[backend])
+            return
         start = len(request["resume_ids"])
         chosen = list(range(start, min(start + request["max_tokens"], len(WORDS))))
         text, ids = "", []
@@ -657,6 +664,24 @@ def test_a_backend_refusal_is_400_and_not_retried(client, pool):
     assert pool.backends() == ["speculative"]
     error = assert_openai_error(client.post(CHAT, json=chat_body(stream=True)), 400)  # before any SSE byte
     assert error["message"] == "the drafter cannot take this prompt"
+
+
+def test_a_full_backend_is_429_with_retry_after_and_not_retried(client, pool):
+    pool.full["speculative"] = 3
+    for stream in (False, True):
+        response = client.post(CHAT, json=chat_body(stream=stream))
+        error = assert_openai_error(response, 429)
+        assert response.headers["retry-after"] == "3" and "full" in error["message"]
+        assert error["type"] == "rate_limit_error"
+    assert pool.backends() == ["speculative", "speculative"]
+
+
+def test_the_static_baseline_is_asked_for_per_request(client, pool):
+    body = chat_body()
+    body["specroute"] = {"batching": "static"}
+    assert client.post(CHAT, json=body).status_code == 200
+    assert client.post(CHAT, json=chat_body()).status_code == 200
+    assert pool.batching == ["static", "continuous"]
 
 
 def test_a_backend_refusal_after_the_first_token_is_400(app, pool):

@@ -9,16 +9,9 @@ import pytest
 from pydantic import ValidationError
 
 from backends.errors import UserError
-from router.bench_load import (
-    CellStats,
-    LoadConfig,
-    LoadReport,
-    Percentiles,
-    _level_summary,
-    _schedule,
-    render_load,
-    run_load,
-)
+from router.bench_load import _schedule, run_load
+from router.load_models import Level, LoadConfig
+from router.load_report import CellStats, LoadReport, Percentiles, level_summary, render_load
 
 MODEL = "SmolLM2-135M-Instruct"
 TTFT_S = 0.02
@@ -32,15 +25,18 @@ class FakeService:
     """The HTTP contract of `specroute serve`, with fixed sleeps. Math prompts get an HTTP 500; QA
     streams are cut before [DONE]; auto routes code to speculative and the rest to plain."""
 
-    def __init__(self) -> None:
+    def __init__(self, health: dict | None = None) -> None:
         self.in_flight = 0
         self.arrivals: list[tuple[str, int]] = []  # (mode, requests in flight including this one)
+        self.batching: list[str] = []
         self.auth: set[str | None] = set()
+        self.health = health or {"status": "ok"}
+        self.cut, self.fail = {"qa"}, {"math"}
 
     async def handler(self, request: httpx.Request) -> httpx.Response:
         self.auth.add(request.headers.get("authorization"))
         if request.url.path == "/healthz":
-            return httpx.Response(200, json={"status": "ok"})
+            return httpx.Response(200, json=self.health)
         if request.url.path == "/v1/models":
             return httpx.Response(200, json={"object": "list", "data": [{"id": MODEL, "object": "model"}]})
         assert request.url.path == "/v1/chat/completions"
@@ -48,7 +44,8 @@ class FakeService:
         assert body["model"] == MODEL and body["stream"] and body["stream_options"] == {"include_usage": True}
         self.in_flight += 1
         self.arrivals.append((body["specroute"]["backend"], self.in_flight))
-        if body["specroute"]["category"] == "math":
+        self.batching.append(body["specroute"]["batching"])
+        if body["specroute"]["category"] in self.fail:
             self.in_flight -= 1
             error = {"message": "injected failure", "type": "server_error", "param": None, "code": 500}
             return httpx.Response(500, json={"error": error})
@@ -62,7 +59,7 @@ class FakeService:
             if i:
                 await asyncio.sleep(SLOW_TOKEN_S if category == "chat" else TOKEN_S)
             yield event({"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"content": f"t{i} "}}]})
-            if category == "qa":
+            if category in self.cut:
                 self.in_flight -= 1
                 return  # cut: no usage, no [DONE]
         route = {"backend": backend, "drafter": None, "k": None, "stage": "test", "reasons": [], "retried": False}
@@ -100,25 +97,25 @@ def report(fake: FakeService, config: LoadConfig) -> LoadReport:
 
 
 def test_every_mode_and_level_has_its_cell_with_the_right_counts(report, config):
-    assert [(c.concurrency, c.mode) for c in report.cells] == [(c, m) for c in LEVELS for m in config.modes]
+    assert [(c.level.concurrency, c.mode) for c in report.cells] == [(c, m) for c in LEVELS for m in config.modes]
     for cell in report.cells:
-        assert cell.requests == config.requests_at(cell.concurrency) == 8
-        in_cell = [r for r in report.records if (r.mode, r.concurrency) == (cell.mode, cell.concurrency)]
+        assert cell.requests == config.requests_at(cell.level) == 8
+        in_cell = [r for r in report.records if (r.mode, r.level) == (cell.mode, cell.level)]
         assert len(in_cell) == 8
         # Round-robin over the categories: the first 8 prompts are one of each of the 7, then chat again.
         assert sorted(r.category for r in in_cell) == sorted(["chat", "code", "summarization", "rag", "translation",
                                                               "math", "qa", "chat"])  # fmt: skip
-    assert report.model == MODEL and {c.concurrency for c in report.levels} == set(LEVELS)
+    assert report.model == MODEL and {c.level.concurrency for c in report.levels} == set(LEVELS)
 
 
 def test_closed_loop_never_exceeds_the_level_and_modes_rotate(report, fake, config):
     arrivals = iter(fake.arrivals)  # cells run one after another, in schedule order
-    for concurrency, mode in _schedule(config):
-        cell = [next(arrivals) for _ in range(config.requests_at(concurrency))]
-        assert {m for m, _ in cell} == {mode}
-        assert max(n for _, n in cell) == concurrency  # reached, never exceeded
+    for scheduled in _schedule(config):
+        cell = [next(arrivals) for _ in range(config.requests_at(scheduled.level))]
+        assert {m for m, _ in cell} == {scheduled.mode}
+        assert max(n for _, n in cell) == scheduled.level.concurrency  # reached, never exceeded
     assert next(arrivals, None) is None
-    first_per_level = [_schedule(config)[i * len(config.modes)][1] for i in range(len(LEVELS))]
+    first_per_level = [_schedule(config)[i * len(config.modes)].mode for i in range(len(LEVELS))]
     assert len(set(first_per_level)) == len(LEVELS)
 
 
@@ -175,11 +172,12 @@ def test_render_has_a_row_per_mode_and_the_router_comparison(report):
     assert "router worse than the best fixed backend (by more than 2%) at: " in text
 
 
-def cell(mode: str, tokens_per_s: float, goodput: float, concurrency: int = 8) -> CellStats:
+def cell(mode: str, tokens_per_s: float, goodput: float, concurrency: int = 8, batching="continuous") -> CellStats:
     p = Percentiles(p50=10.0, p90=20.0, p99=30.0)
     return CellStats(
         mode=mode,
-        concurrency=concurrency,
+        batching=batching,
+        level=Level(concurrency=concurrency),
         requests=16,
         errors=0,
         error_rate=0.0,
@@ -197,7 +195,7 @@ def cell(mode: str, tokens_per_s: float, goodput: float, concurrency: int = 8) -
 def test_router_worse_than_a_fixed_backend_is_called_out():
     cells = [cell("auto", 39.0, 3.5), cell("speculative", 30.0, 3.0), cell("plain", 41.2, 4.0)]
     cells += [cell("auto", 50.0, 5.0, 16), cell("plain", 45.0, 4.0, 16)]
-    levels = [_level_summary(8, cells[:3]), _level_summary(16, cells[3:])]
+    levels = [level_summary(cells[:3]), level_summary(cells[3:])]
     assert levels[0].best_tokens_mode == "plain" and levels[0].router_tokens_ratio == pytest.approx(39 / 41.2)
     assert levels[0].router_worse and not levels[1].router_worse
     config = LoadConfig(concurrency=[8, 16], modes=["auto", "speculative", "plain"])
@@ -207,7 +205,7 @@ def test_router_worse_than_a_fixed_backend_is_called_out():
     assert "c=8: best fixed by goodput plain 4.00/s; router 3.50/s = 0.88×" in text
     assert "c=8: best overall: tok/s plain, goodput plain" in text
     assert "router worse than the best fixed backend (by more than 2%) at: c=8 (tok/s 0.95×, goodput 0.88×)" in text
-    only_router = [_level_summary(8, [cell("auto", 39.0, 4.0)])]
+    only_router = [level_summary([cell("auto", 39.0, 4.0)])]
     report = report.model_copy(update={"cells": cells[:1], "levels": only_router})
     assert "router vs fixed backends: not compared" in render_load(report)
 
@@ -279,3 +277,64 @@ def test_an_in_band_error_event_is_an_error():
     report = load(LoadConfig(concurrency=[1], modes=["auto"], requests_per_level=2), handler)
     assert report.cells[0].errors == 2 and report.cells[0].served_by == {}
     assert report.records[0].error == "error event: the request failed mid-stream (RuntimeError)"
+
+
+def test_an_open_loop_sends_at_poisson_times_without_waiting_for_answers():
+    fake = FakeService()
+    config = LoadConfig(request_rates=[40.0], modes=["plain"], requests_per_level=20, seed=3)
+    report = load(config, fake.handler)
+    starts = sorted(r.start_s for r in report.records)
+    assert len(starts) == 20 and report.cells[0].level == Level(request_rate=40.0)
+    assert max(n for _, n in fake.arrivals) > 1  # arrivals overlapped: nobody waited for an answer
+    gaps = [b - a for a, b in zip(starts, starts[1:], strict=False)]
+    assert 0.3 / 40 < sum(gaps) / len(gaps) < 3 / 40  # about the rate asked for
+    again = load(config, FakeService().handler)
+    assert [round(r.start_s, 1) for r in again.records][:3] == [round(r.start_s, 1) for r in report.records][:3]
+    text = render_load(report)
+    assert "open loop (Poisson arrivals)" in text and "rate=40/s (20 requests per mode)" in text
+    assert LoadConfig(request_rates=[2.0]).requests_at(Level(request_rate=2.0)) == 40
+
+
+def test_the_batching_ab_runs_every_cell_both_ways_and_compares_them():
+    fake = FakeService()
+    config = LoadConfig(concurrency=[2], modes=["auto", "plain"], batching=["static", "continuous"])
+    report = load(config, fake.handler)
+    assert sorted((c.mode, c.batching) for c in report.cells) == [
+        ("auto", "continuous"), ("auto", "static"), ("plain", "continuous"), ("plain", "static")
+    ]  # fmt: skip
+    assert sorted(set(fake.batching)) == ["continuous", "static"] and len(fake.batching) == 4 * 8
+    assert {(c.mode, c.level.concurrency) for c in report.batching} == {("auto", 2), ("plain", 2)}
+    assert all(c.tokens_ratio is not None and c.tokens_ratio > 0 for c in report.batching)
+    assert len(report.levels) == 2  # the router is compared within each batching
+    assert "step loop (continuous) over the static baseline" in render_load(report)
+
+
+def test_the_router_is_compared_with_every_backend_and_judged_against_those_meeting_the_floor():
+    cells = [cell("auto", 30.0, 3.0), cell("plain", 30.3, 3.0), cell("quantized", 60.0, 6.0)]
+    summary = level_summary(cells, below_floor=["quantized"])
+    assert summary.best_fixed_tokens_mode == "plain" and not summary.router_worse
+    assert summary.router_vs == pytest.approx({"plain": 30 / 30.3, "quantized": 0.5})
+    unfloored = level_summary(cells)
+    assert unfloored.best_fixed_tokens_mode == "quantized" and unfloored.router_worse
+    config = LoadConfig(concurrency=[8], modes=["auto", "plain", "quantized"])
+    report = LoadReport(
+        config=config, model=MODEL, started="now", below_quality_floor=["quantized"], cells=cells,
+        levels=[summary], records=[],
+    )  # fmt: skip
+    text = render_load(report)
+    assert "router tok/s over each fixed backend: plain 0.99× (1.00× goodput), quantized 0.50× (0.50× goodput)" in text
+    assert "not counting quantized (under the quality floor)) at: nowhere" in text
+
+
+def test_the_join_probe_times_a_short_request_arriving_while_a_long_one_decodes():
+    fake = FakeService(health={"status": "ok", "below_quality_floor": ["quantized"]})
+    fake.cut = set()
+    config = LoadConfig(concurrency=[1], modes=["auto", "plain"], requests_per_level=1, join_probe=True)
+    report = load(config, fake.handler)
+    assert report.below_quality_floor == ["quantized"]
+    (probe,) = report.join
+    assert probe.mode == "plain" and probe.error is None and probe.same_text
+    assert probe.idle_ttft_ms is not None and probe.joined_ttft_ms is not None
+    assert probe.ttft_ratio == pytest.approx(probe.joined_ttft_ms / probe.idle_ttft_ms)
+    assert max(n for _, n in fake.arrivals[-4:]) == 2  # the short one arrived while the long one ran
+    assert "join probe:" in render_load(report) and "same text" in render_load(report)

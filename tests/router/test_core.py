@@ -20,7 +20,7 @@ class OnePool:
         self.seen_load: list[int] = []
         self.core: RouterCore | None = None
 
-    async def stream(self, backend, request, drafter):
+    async def stream(self, backend, request, drafter, batching="continuous"):
         self.seen_load.append(self.core.load[backend])
         result = GenerationResult(
             text="ok",

@@ -76,6 +76,35 @@ def test_every_backend_gives_the_greedy_answer_of_the_full_precision_target(serv
     assert stats["stage"] == "forced"
 
 
+@pytest.mark.parametrize("backend", ["speculative", "plain", "quantized"])
+def test_a_request_joining_a_busy_backend_gets_exactly_its_answer_alone(service, backend):
+    """Through the live service: a short request sent while a long one decodes on the same backend
+    joins its batch (it finishes first) and streams the very text it gets alone; the static
+    baseline queue, asked for per request, answers the same. Not the int8 backend's text: its
+    dynamic W8A8 kernels scale activations per batch, so its batch-mates move its numbers."""
+    short = chat_body("What is the capital of France?", max_tokens=12, specroute={"backend": backend})
+    long = chat_body("Write a long story about a lighthouse keeper.", max_tokens=96, specroute={"backend": backend})
+
+    async def run() -> tuple[str, str, str, bool]:
+        async with httpx.AsyncClient(timeout=300) as http:
+            url = f"{service.url}/v1/chat/completions"
+            alone = (await http.post(url, json=short)).json()["choices"][0]["message"]["content"]
+            busy = asyncio.create_task(http.post(url, json=long))
+            await asyncio.sleep(1.5)  # the long one is decoding by now
+            joined = (await http.post(url, json=short)).json()["choices"][0]["message"]["content"]
+            first = not busy.done()
+            await busy
+            static = {**short, "specroute": {"backend": backend, "batching": "static"}}
+            baseline = (await http.post(url, json=static)).json()["choices"][0]["message"]["content"]
+        return alone, joined, baseline, first
+
+    alone, joined, baseline, finished_first = asyncio.run(run())
+    assert alone and joined and baseline
+    if backend != "quantized":
+        assert joined == alone and baseline == alone
+    assert finished_first  # it did not wait for the long request's batch to end
+
+
 def test_a_lone_copy_request_goes_speculative_and_reports_alpha(service):
     body = chat_body(COPY_PROMPT, max_tokens=32, specroute={"category": "copy"})
     reply = httpx.post(f"{service.url}/v1/chat/completions", json=body, timeout=120).json()

@@ -1,7 +1,6 @@
-import numpy as np
 import pytest
 
-from backends.speculative.control import AcceptanceTracker, DraftCosts, KChooser, StepCosts, batch_bucket
+from backends.speculative.control import DraftCosts, DraftOutlook, RateEstimate, StepCosts, batch_bucket
 
 
 def _costs(widths_ms: dict[int, float]) -> tuple[StepCosts, list[tuple[int, list[int]]]]:
@@ -56,38 +55,49 @@ def test_draft_cost_is_unknown_until_measured_then_relative_to_a_target_step():
     assert drafts.relative(1, costs) == pytest.approx(0.1)
 
 
+def test_catching_up_is_timed_apart_from_the_steady_draft_step():
+    drafts = DraftCosts(smoothing=1.0)
+    drafts.record(4, steps=3, seconds=0.030)  # steady: 10 ms a step
+    drafts.record(4, steps=3, seconds=0.130, backlog=200)  # the same 3 steps after reading 200 new tokens
+    assert drafts.step_s[4] == pytest.approx(0.010)  # the steady time is not spoilt by the catch-up
+    assert drafts.catch_up_token_s == pytest.approx(0.100 / 200)
+    assert drafts.catch_up_s(50) == pytest.approx(0.025)
+    first = DraftCosts()
+    first.record(2, steps=2, seconds=0.5, backlog=100)  # nothing steady known yet: the call times the step
+    assert first.step_s[2] == pytest.approx(0.25) and first.catch_up_token_s == 0.0
+
+
 def test_acceptance_counts_the_rejected_token_as_judged():
-    tracker = AcceptanceTracker(prior_alpha=0.5, prior_weight=2.0, decay=1.0)
-    tracker.update(drafted=4, accepted=4)  # 4 trials, all accepted
-    tracker.update(drafted=4, accepted=1)  # 2 trials: one accepted, then a rejection
-    assert tracker.alpha == pytest.approx((1 + 5) / (2 + 6))
-    tracker.update(drafted=0, accepted=0)  # nothing drafted: no evidence
-    assert tracker.alpha == pytest.approx(6 / 8)
+    outlook = DraftOutlook(RateEstimate(prior_mean=0.5, prior_weight=2.0, decay=1.0))
+    outlook.observe(asked=4, drafted=4, accepted=4)  # 4 trials, all accepted
+    outlook.observe(asked=4, drafted=4, accepted=1)  # 2 trials: one accepted, then a rejection
+    assert outlook.alpha.mean == pytest.approx((1 + 5) / (2 + 6))
+    outlook.observe(asked=0, drafted=0, accepted=0)  # nothing asked: no evidence
+    assert outlook.alpha.mean == pytest.approx(6 / 8)
+
+
+def test_a_step_without_a_proposal_lowers_the_proposal_rate_and_not_alpha():
+    outlook = DraftOutlook(RateEstimate(decay=1.0), RateEstimate(prior_mean=0.5, prior_weight=2.0, decay=1.0))
+    outlook.observe(asked=4, drafted=0, accepted=0)
+    outlook.observe(asked=4, drafted=2, accepted=2)  # a short proposal: its missing token counts as judged
+    assert outlook.proposal.mean == pytest.approx((1 + 1) / (2 + 2))
+    assert outlook.alpha.mean == pytest.approx((1 + 2) / (2 + 3))
 
 
 def test_old_evidence_decays():
-    tracker = AcceptanceTracker(decay=0.5)
+    rate = RateEstimate(decay=0.5)
     for _ in range(20):
-        tracker.update(4, 4)
-    assert tracker.alpha > 0.85
+        rate.add(4, 4)
+    assert rate.mean > 0.85
     for _ in range(6):
-        tracker.update(4, 0)
-    assert tracker.alpha < 0.3  # the prior (weight 2) now outweighs what is left of the old run
+        rate.add(0, 4)
+    assert rate.mean < 0.3  # the prior (weight 2) now outweighs what is left of the old run
 
 
-@pytest.mark.parametrize("true_alpha,expect_drafting", [(0.02, False), (0.95, True)])
-def test_k_chooser_learns_whether_drafting_pays(true_alpha, expect_drafting):
-    costs, _ = _costs({w: 50 + 5 * (w - 1) for w in range(1, 10)})
-    chooser = KChooser(8, AcceptanceTracker(), np.random.default_rng(0))
-    rng = np.random.default_rng(1)
-    ks = []
-    for _ in range(200):
-        k = chooser.choose(0.2, costs.verify_costs(1))  # c = 0.2
-        accepted = int(np.cumprod(rng.random(k) < true_alpha).sum()) if k else 0
-        chooser.observe(k, accepted)
-        ks.append(k)
-    late = ks[100:]
-    if expect_drafting:
-        assert np.mean(late) > 4
-    else:
-        assert np.mean([k > 0 for k in late]) < 0.1  # only rare exploratory drafts
+def test_a_new_sequence_starts_from_what_its_drafter_showed():
+    drafter = DraftOutlook(RateEstimate(decay=1.0), RateEstimate(decay=1.0))
+    for _ in range(50):
+        drafter.observe(asked=4, drafted=4, accepted=2)
+    seeded = drafter.seeded(weight=4.0)
+    assert seeded.alpha.mean == pytest.approx(drafter.alpha.mean)
+    assert seeded.alpha.prior_weight == 4.0 and seeded.alpha.trials == 0

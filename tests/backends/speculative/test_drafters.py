@@ -6,18 +6,17 @@ from backends.sampling import SamplingParams
 from backends.speculative.drafters import DraftRow, ModelDrafter, NgramDrafter, early_exit_model
 from backends.speculative.factory import DrafterConfig, build_drafter
 
-from .conftest import tiny_model
+from ..conftest import tiny_model
 
 GREEDY = SamplingParams()
 
 
-def _row(prompt: list[int], generated: list[int] | None = None) -> DraftRow:
-    return DraftRow(list(prompt), list(generated or []), GREEDY, torch.Generator().manual_seed(0))
+def _row(prompt: list[int], generated: list[int] | None = None, key: int = 0) -> DraftRow:
+    return DraftRow(key, list(prompt), list(generated or []), GREEDY, torch.Generator().manual_seed(0))
 
 
 def _ngram(rows, ks, **kwargs):
     drafter = NgramDrafter(**kwargs)
-    drafter.start(rows)
     return drafter, drafter.propose(rows, ks).tokens
 
 
@@ -48,10 +47,11 @@ def test_ngram_indexes_generated_tokens_as_they_arrive():
 
 
 def test_ngram_rows_are_independent_and_finished_rows_leave():
-    rows = [_row([1, 2, 3, 1, 2]), _row([5, 6, 5])]
+    rows = [_row([1, 2, 3, 1, 2], key=4), _row([5, 6, 5], key=9)]
     drafter, tokens = _ngram(rows, [1, 2], max_n=2, min_n=1)
     assert tokens == [[3], [6, 5]]
-    drafter.select([1])
+    drafter.release(4)
+    assert set(drafter.indexes) == {9}
     assert drafter.propose([rows[1]], [1]).tokens == [[6]]
 
 
@@ -73,28 +73,34 @@ def _greedy_continuation(model, tokens: list[int], count: int) -> list[int]:
 def test_model_drafter_rolls_back_to_the_accepted_prefix(tiny_target, vocab_size):
     model = tiny_target.model
     drafter = ModelDrafter(model, pad_id=2, target_vocab=vocab_size)
-    rows = [_row([5, 6, 7, 8], [9]), _row([30, 31], [32])]
-    drafter.start(rows)
+    rows = [_row([5, 6, 7, 8], [9], key=0), _row([30, 31], [32], key=1)]
     first = drafter.propose(rows, [4, 3]).tokens
     assert first == [_greedy_continuation(model, r.context(), k) for r, k in zip(rows, [4, 3], strict=True)]
     # Row 0 accepts 2 drafts then the target emits 77; row 1 accepts none and gets 88.
-    drafter.observe([2, 0])
+    drafter.observe(rows, [2, 0])
     rows[0].token_ids.extend(first[0][:2] + [77])
     rows[1].token_ids.append(88)
     second = drafter.propose(rows, [3, 3]).tokens
     assert second == [_greedy_continuation(model, r.context(), 3) for r in rows]
-    assert drafter.propose(rows, [0, 0]).tokens == [[], []]
 
 
-def test_model_drafter_feeds_no_draft_tokens_for_rows_that_do_not_draft(tiny_target, vocab_size):
-    drafter = ModelDrafter(tiny_target.model, pad_id=2, target_vocab=vocab_size)
-    rows = [_row([5, 6, 7, 8], [9]), _row([30, 31], [32])]
-    drafter.start(rows)
-    tokens = drafter.propose(rows, [4, 0]).tokens
-    assert len(tokens[0]) == 4 and tokens[1] == []
-    assert drafter.cache.lengths.tolist() == [5 + 3, 3]  # row 0: context + 3 fed drafts; row 1: context only
+def test_model_drafter_catches_up_rows_that_skipped_steps_or_joined_late(tiny_target, vocab_size):
+    model = tiny_target.model
+    drafter = ModelDrafter(model, pad_id=2, target_vocab=vocab_size)
+    early, late = _row([5, 6, 7, 8], [9], key=0), _row([30, 31], [32], key=1)
+    assert drafter.backlog(early) == 5  # never seen: its whole context is to read
+    drafter.propose([early], [3])
+    drafter.observe([early], [1])
+    early.token_ids.extend([40, 41, 42, 43])  # plain steps went by without drafting
+    assert drafter.backlog(early) == 4
+    tokens = drafter.propose([late, early], [2, 3]).tokens  # a sequence it never saw joins
+    assert tokens == [_greedy_continuation(model, late.context(), 2), _greedy_continuation(model, early.context(), 3)]
+    seqs = {key: state.seq for key, state in drafter.sequences.items()}
+    assert drafter.cache.length(seqs[1]) == late.length + 1  # its context + one fed draft
+    drafter.release(0)
+    assert set(drafter.sequences) == {1} and seqs[0] not in drafter.cache.sequences
     fresh = drafter.fresh()
-    assert fresh.model is drafter.model and fresh.cache is None
+    assert fresh.model is drafter.model and fresh.cache is None and not fresh.sequences
 
 
 def test_model_drafter_refuses_a_different_vocabulary(tiny_target):

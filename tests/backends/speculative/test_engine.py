@@ -16,7 +16,7 @@ from backends.speculative.engine import SpeculativeEngine, step_costs
 from backends.speculative.stats import SpeculationStats
 from policies.cost_model import expected_tokens
 
-from .conftest import perturbed, tiny_model
+from ..conftest import perturbed, tiny_model
 
 pytestmark = pytest.mark.slow
 
@@ -92,11 +92,7 @@ class SpyDrafter(Drafter):
     """Wraps a drafter and records, for each proposal, the context length and the tokens."""
 
     def __init__(self, inner: Drafter):
-        self.inner, self.name, self.proposals, self.started = inner, inner.name, [], False
-
-    def start(self, rows):
-        self.started = True
-        self.inner.start(rows)
+        self.inner, self.name, self.proposals, self.released = inner, inner.name, [], []
 
     def propose(self, rows, ks):
         proposal = self.inner.propose(rows, ks)
@@ -105,11 +101,12 @@ class SpyDrafter(Drafter):
         )
         return proposal
 
-    def observe(self, accepted):
-        self.inner.observe(accepted)
+    def observe(self, rows, accepted):
+        self.inner.observe(rows, accepted)
 
-    def select(self, rows):
-        self.inner.select(rows)
+    def release(self, key):
+        self.released.append(key)
+        self.inner.release(key)
 
     def fresh(self):
         return SpyDrafter(self.inner.fresh())
@@ -159,7 +156,7 @@ def test_k_zero_is_plain_decoding_and_never_starts_the_drafter(loaded, costs, pl
     spy = SpyDrafter(NgramDrafter())
     results = SpeculativeEngine(loaded, spy, k=0, costs=costs).generate(PROMPTS[:3])
     assert [r.token_ids for r in results] == plain_outputs[:3]
-    assert not spy.started and all(r.speculation.drafts == 0 for r in results)
+    assert not spy.proposals and all(r.speculation.drafts == 0 for r in results)
 
 
 def test_stats_have_vllm_meaning_and_add_up(loaded, costs):

@@ -7,7 +7,7 @@ from backends.plain import PlainEngine
 from backends.training.data import _request, data_dir, extract_features, generate_samples, load_samples
 from backends.training.prompts import training_prompts
 
-from ..speculative.conftest import as_loaded, tiny_model
+from ..conftest import as_loaded, tiny_model
 
 
 def test_answers_are_the_targets_greedy_output_and_a_rerun_resumes(loaded, tmp_path, monkeypatch):

@@ -8,6 +8,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from backends.models import LoadedModel, describe
+from backends.speculative.drafters import Drafter, Proposal
 
 
 def tiny_model(vocab_size: int, seed: int, sharpness: float = 1.0) -> LlamaForCausalLM:
@@ -26,6 +27,18 @@ def tiny_model(vocab_size: int, seed: int, sharpness: float = 1.0) -> LlamaForCa
     with torch.no_grad():  # random logits are nearly flat; sharpen them so distributions have shape
         model.lm_head.weight.mul_(sharpness)
     return model
+
+
+class BrokenDrafter(Drafter):
+    """A drafter whose every proposal fails: its rows must end with their own error, no one else's."""
+
+    name = "broken"
+
+    def propose(self, rows, ks) -> Proposal:
+        raise RuntimeError("drafter broke")
+
+    def fresh(self) -> "BrokenDrafter":
+        return BrokenDrafter()
 
 
 def perturbed(model: LlamaForCausalLM, noise: float, seed: int) -> LlamaForCausalLM:

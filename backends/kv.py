@@ -1,0 +1,335 @@
+"""A paged KV cache shared by every engine: sequences own blocks of a preallocated pool, so a
+sequence that joins, grows, is cut back (rejected drafts) or leaves never moves or recomputes
+another sequence's keys and values.
+
+Each layer keeps one key pool and one value pool of shape (tokens, kv heads, head dim), split
+into blocks of `block_tokens`; a sequence holds a block table and a length. A forward pass feeds
+any subset of sequences a right-padded block of new tokens each: the attention layers call
+`update`, which writes the new keys and values into the sequences' blocks (padding goes to a
+scratch block nobody reads) and hands attention each sequence's keys gathered in order, with a
+4-D mask that shows every real query exactly its own sequence's tokens up to itself. Positions
+are per sequence, so padding never shifts a rotary phase.
+
+Memory is bounded: the pool grows by doubling up to `max_tokens` and never past it; `reserve`
+lets a scheduler admit only what is sure to fit, so a replica never runs out of memory mid-run.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+from transformers.cache_utils import DynamicLayer
+
+from .errors import ModelLoadError
+
+BLOCK_TOKENS = 16
+FIRST_POOL_BLOCKS = 64  # the pool starts this small and doubles on demand
+UNBOUNDED_TOKENS = 1 << 24  # for caches whose use another, bounded cache already limits
+
+
+class CacheFull(RuntimeError):
+    """The pool has no room for what was asked: the scheduler should have reserved first."""
+
+
+@dataclass
+class _Sequence:
+    blocks: list[int] = field(default_factory=list)
+    length: int = 0  # tokens whose keys and values are valid
+    reserved: int = 0  # tokens promised to this sequence (blocks it may still claim)
+
+
+@dataclass
+class _Pass:
+    """What `update` needs during one forward: where the new tokens go and what to read back."""
+
+    write: torch.Tensor  # (B·W,) pool token index of each new position (padding → scratch)
+    read: torch.Tensor  # (B·T,) pool token index of each key column attention reads
+    batch: int
+    columns: int
+
+
+class PagedCache:
+    """The KV cache of one model for many sequences, addressed by integer sequence ids."""
+
+    is_compileable = False
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        max_tokens: int,
+        block_tokens: int = BLOCK_TOKENS,
+        feature_layers: Sequence[int] = (),
+    ):
+        """`max_tokens`: the most tokens (over all sequences) the pool may ever hold. With
+        `feature_layers`, every forward also keeps those hidden states (see `features`)."""
+        check_full_attention(model)
+        config = model.config
+        self.model = model
+        self.block_tokens = block_tokens
+        self.max_blocks = max(2, math.ceil(max_tokens / block_tokens) + 1)  # + the scratch block
+        self.feature_layers = tuple(feature_layers)
+        self.hidden_states: dict[int, torch.Tensor] = {}
+        parameter = next(model.parameters())
+        self.device, self.dtype = parameter.device, _cache_dtype(model)
+        self.layers = config.num_hidden_layers
+        heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        self.head_shape = (heads, getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.free: list[int] = []
+        self._allocate_pool(min(FIRST_POOL_BLOCKS, self.max_blocks))
+        self.sequences: dict[int, _Sequence] = {}
+        self._next_id = 0
+        self._pass: _Pass | None = None
+
+    # -- sequences --------------------------------------------------------------------------
+    def add(self, reserve: int = 0) -> int:
+        """A new empty sequence; `reserve` tokens are promised to it (see `can_reserve`)."""
+        if not self.can_reserve(reserve):
+            raise CacheFull(f"no room to reserve {reserve} tokens")
+        seq = self._next_id
+        self._next_id += 1
+        self.sequences[seq] = _Sequence(reserved=reserve)
+        return seq
+
+    def remove(self, seq: int) -> None:
+        """The sequence leaves: its blocks return to the pool at once."""
+        state = self.sequences.pop(seq)
+        self.free.extend(state.blocks)
+
+    def length(self, seq: int) -> int:
+        return self.sequences[seq].length
+
+    def truncate(self, seq: int, length: int) -> None:
+        """Keep the first `length` tokens (rejected drafts are forgotten; their blocks freed)."""
+        state = self.sequences[seq]
+        if not 0 <= length <= state.length:
+            raise ValueError(f"truncate can only shorten a sequence ({state.length} → {length})")
+        state.length = length
+        keep = math.ceil(length / self.block_tokens)
+        self.free.extend(state.blocks[keep:])
+        del state.blocks[keep:]
+
+    def can_reserve(self, tokens: int) -> bool:
+        """Would `tokens` more fit beside every reservation already made?"""
+        return self._blocks_for(tokens) <= self._unpromised_blocks()
+
+    @property
+    def usage(self) -> float:
+        """Share of the pool's bound held by sequences now (vLLM's kv_cache_usage_perc, as 0..1)."""
+        return self._used_blocks() / (self.max_blocks - 1)
+
+    def _unpromised_blocks(self) -> int:
+        promised = sum(max(self._blocks_for(s.reserved) - len(s.blocks), 0) for s in self.sequences.values())
+        return self.max_blocks - 1 - self._used_blocks() - promised
+
+    def _used_blocks(self) -> int:
+        return sum(len(s.blocks) for s in self.sequences.values())
+
+    def _blocks_for(self, tokens: int) -> int:
+        return math.ceil(tokens / self.block_tokens)
+
+    # -- forward passes ---------------------------------------------------------------------
+    def forward(
+        self,
+        seqs: Sequence[int],
+        blocks: Sequence[Sequence[int]],
+        width: int | None = None,
+        keep: str = "all",
+        **inputs: torch.Tensor,
+    ) -> Any:
+        """Feed each sequence its block of new tokens (blocks may differ in length, even be empty)
+        in one pass; the model's output with logits at every block position, (B, W, V), or with
+        keep="last" only after each sequence's last new token, (B, V). The block is right-padded
+        to `width` (≥ the longest block). `inputs` are extra per-position model inputs laid out
+        like the padded block (B, W, …), e.g. the features an EAGLE head reads."""
+        counts = [len(b) for b in blocks]
+        width = max(max(counts, default=1), 1) if width is None else width
+        if width < max(counts, default=0):
+            raise ValueError(f"width {width} is narrower than the longest block ({max(counts)})")
+        starts = [self.sequences[s].length for s in seqs]
+        for seq, count in zip(seqs, counts, strict=True):
+            self._grow(seq, count)
+        # Padding may be any id the embedding reads: its positions are masked out and never sampled.
+        input_ids = torch.zeros((len(seqs), width), dtype=torch.long)
+        for row, block in enumerate(blocks):
+            input_ids[row, : len(block)] = torch.tensor(list(block), dtype=torch.long)
+        positions, mask = self._plan(seqs, starts, counts, width)
+        logits_to_keep: int | torch.Tensor = width
+        columns = None
+        if keep == "last":
+            wanted = sorted({max(c, 1) - 1 for c in counts})
+            logits_to_keep = torch.tensor(wanted, device=self.device)
+            columns = torch.tensor([wanted.index(max(c, 1) - 1) for c in counts], device=self.device)
+        try:
+            out = self._model_forward(input_ids.to(self.device), positions, mask, logits_to_keep, **inputs)
+        finally:
+            self._pass = None
+        if columns is not None:
+            rows = torch.arange(len(seqs), device=self.device)
+            out.logits = out.logits[rows, columns]
+            if getattr(out, "hidden", None) is not None:
+                out.hidden = out.hidden[rows, columns]
+        return out
+
+    def logits(self, seqs: Sequence[int], blocks: Sequence[Sequence[int]], width: int | None = None) -> torch.Tensor:
+        """Logits at every block position, (B, W, V)."""
+        return self.forward(seqs, blocks, width).logits
+
+    def last_logits(self, seqs: Sequence[int], blocks: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Logits after each sequence's last new token, (B, V): a long catch-up or prompt chunk
+        then costs no LM-head work for positions nobody samples from."""
+        return self.forward(seqs, blocks, keep="last").logits
+
+    def _grow(self, seq: int, count: int) -> None:
+        """Give the sequence blocks for `count` more tokens and count them as valid."""
+        state = self.sequences[seq]
+        needed = self._blocks_for(state.length + count) - len(state.blocks)
+        if needed > len(self.free):
+            self._expand(needed - len(self.free))
+        state.blocks.extend(self.free.pop() for _ in range(needed))
+        state.length += count
+
+    def _expand(self, at_least: int) -> None:
+        total = self.keys[0].shape[0] // self.block_tokens
+        if total + at_least > self.max_blocks:
+            raise CacheFull(f"the KV pool is full ({self.max_blocks - 1} blocks of {self.block_tokens} tokens)")
+        self._allocate_pool(min(max(2 * total, total + at_least), self.max_blocks))
+
+    def _allocate_pool(self, blocks: int) -> None:
+        """Grow every layer's pools to `blocks` blocks (block 0 is the scratch block for padding)."""
+        old = self.keys[0].shape[0] // self.block_tokens if self.keys else 0
+        shape = (blocks * self.block_tokens, *self.head_shape)
+
+        def grown(pool: torch.Tensor | None) -> torch.Tensor:
+            fresh = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            if pool is not None:
+                fresh[: pool.shape[0]] = pool
+            return fresh
+
+        self.keys = [grown(self.keys[i] if self.keys else None) for i in range(self.layers)]
+        self.values = [grown(self.values[i] if self.values else None) for i in range(self.layers)]
+        self.free.extend(range(max(old, 1), blocks))
+
+    def _plan(
+        self, seqs: Sequence[int], starts: list[int], counts: list[int], width: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Positions (B, W) and the boolean attention mask (B, 1, W, T); sets up `update`."""
+        bs = self.block_tokens
+        batch = len(seqs)
+        columns = max(max(s + c for s, c in zip(starts, counts, strict=True)), 1)
+        columns = self._blocks_for(columns) * bs
+        start = torch.tensor(starts, dtype=torch.long).unsqueeze(1)
+        count = torch.tensor(counts, dtype=torch.long).unsqueeze(1)
+        offsets = torch.arange(width).unsqueeze(0)
+        real = offsets < count
+        # Padding repeats the row's last position: it must never index past the context
+        # (learned position tables) or stretch rotary scaling, and nobody reads its keys.
+        positions = torch.where(real, start + offsets, (start + count - 1).clamp(min=0))
+        tables = torch.zeros((batch, columns // bs), dtype=torch.long)
+        for row, seq in enumerate(seqs):
+            owned = self.sequences[seq].blocks
+            tables[row, : len(owned)] = torch.tensor(owned, dtype=torch.long)
+        token_index = (tables.unsqueeze(2) * bs + torch.arange(bs)).reshape(batch, columns)
+        write = torch.where(real, token_index.gather(1, positions), torch.zeros_like(positions))
+        # Query i of a row sees its own tokens up to itself; padding queries see the row's real
+        # tokens (or column 0), so no query is left with nothing to attend to.
+        visible = torch.where(real, start + offsets, start + count - 1)
+        mask = torch.arange(columns).view(1, 1, columns) <= visible.unsqueeze(2)
+        mask[:, :, 0] |= True
+        self._pass = _Pass(write.reshape(-1).to(self.device), token_index.reshape(-1).to(self.device), batch, columns)
+        return positions.to(self.device), mask.unsqueeze(1).to(self.device)
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """What each attention layer calls: store (B, heads, W, D) new keys and values, return
+        every row's keys and values (B, heads, T, D) in position order."""
+        plan = self._pass
+        assert plan is not None, "update outside a PagedCache.forward"
+        heads, dim = self.head_shape
+        for pool, new in ((self.keys[layer_idx], key_states), (self.values[layer_idx], value_states)):
+            pool.index_copy_(0, plan.write, new.transpose(1, 2).reshape(-1, heads, dim).to(pool.dtype))
+        shape = (plan.batch, plan.columns, heads, dim)
+        keys = self.keys[layer_idx].index_select(0, plan.read).view(shape).transpose(1, 2)
+        values = self.values[layer_idx].index_select(0, plan.read).view(shape).transpose(1, 2)
+        return keys, values
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0  # positions and masks always come explicitly
+
+    def _model_forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        mask: torch.Tensor,
+        logits_to_keep: int | torch.Tensor,
+        **inputs: torch.Tensor,
+    ) -> Any:
+        captured: dict[int, torch.Tensor] = {}
+        hooks = capture_hidden_states(self.model, self.feature_layers, captured)
+        try:
+            out = self.model(
+                input_ids=input_ids,
+                attention_mask=mask,
+                position_ids=positions,
+                cache=self,
+                logits_to_keep=logits_to_keep,
+                **inputs,
+            )
+        finally:
+            for hook in hooks:
+                hook.remove()
+        self.hidden_states = captured
+        return out
+
+    def features(self, layers: Sequence[int]) -> torch.Tensor:
+        """The last pass's hidden states at `layers` (a subset of `feature_layers`), concatenated:
+        (B, W, len(layers) · H) over the positions just fed."""
+        return torch.cat([self.hidden_states[i] for i in layers], dim=-1)
+
+
+def check_full_attention(model: PreTrainedModel) -> None:
+    """Refuse models with sliding-window or linear-attention layers: their state is not a list
+    of per-position keys and values that blocks can hold and cut back."""
+    layers = DynamicCache(config=model.config).layers
+    if not all(type(layer) is DynamicLayer for layer in layers):
+        raise ModelLoadError(
+            f"the step loop needs full-attention layers; {type(model).__name__} uses sliding-window or "
+            "linear-attention layers, whose state cannot be kept in blocks and rolled back"
+        )
+
+
+def _cache_dtype(model: torch.nn.Module) -> torch.dtype:
+    """The dtype the attention layers produce keys in: the first floating-point parameter's (an
+    int8 model keeps its norms and embeddings in float)."""
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+
+
+def capture_hidden_states(
+    model: torch.nn.Module, indices: Sequence[int], into: dict[int, torch.Tensor]
+) -> list[torch.utils.hooks.RemovableHandle]:
+    """Forward hooks that store transformers' `hidden_states[i]` for each index (0 = embeddings,
+    i = output of decoder layer i - 1, the last = after the final norm) in `into` on every pass:
+    just these layers, where `output_hidden_states` would keep every layer's activations. The
+    caller removes the handles. Hooks sit on the target's own modules, so a model sharing them
+    (its shallow early-exit copy) fills them too."""
+    if not indices:
+        return []
+    decoder = model.model
+    count = len(decoder.layers)
+
+    def hook(index: int) -> torch.utils.hooks.RemovableHandle:
+        module = decoder.embed_tokens if index == 0 else decoder.norm if index == count else decoder.layers[index - 1]
+
+        def keep(_module: torch.nn.Module, _args: object, output: object) -> None:
+            into[index] = output[0] if isinstance(output, tuple) else output  # type: ignore[assignment]
+
+        return module.register_forward_hook(keep)
+
+    return [hook(i) for i in indices]

@@ -1,0 +1,591 @@
+"""The step loop every backend replica runs: iteration-level scheduling over a paged KV cache,
+with speculation inside the same loop.
+
+Every `step`:
+1. requests whose client left are dropped, and waiting requests are admitted (first come, first
+   served) while fewer than `max_batch` run and the KV cache can promise each its whole context
+   (prompt + max_tokens) — a request that does not fit yet waits for room, so a replica never runs
+   out of memory mid-run;
+2. prompts are prefilled in chunks of at most `prefill_chunk` tokens within the step's token
+   budget, after the running rows' share of it, so a long prompt never stalls the running
+   streams for its whole prefill; a prompt whose last chunk went in samples its first token;
+3. one target pass advances every running sequence: a plain row feeds its newest token, a
+   speculative row that token and its drafts. How many tokens each row drafts is chosen here,
+   for the live batch (`plan_step`: the measured pass times at this batch size, each drafter's
+   cost, each row's running α and proposal rate), and rows for which drafting does not pay ride
+   the same pass as plain rows;
+4. tokens go out one at a time through each row's listener as they are produced, and a row that
+   finishes (EOS, a stop string, max_tokens) leaves at once and frees its cache blocks.
+
+Exactness does not depend on the batch: a row attends to exactly its own tokens at its own
+positions, samples from its own generator, and the accept/resample rule is applied per row, so in
+float32 every request's greedy tokens equal decoding it alone with the plain engine, whatever
+joined or left meanwhile. A failure inside the loop (a drafter's, a listener's, one pass's) ends
+the requests it touched with that error and leaves the others running.
+
+The loop is synchronous and single-threaded (`backends.serving` runs it in a thread of its own);
+`generate` runs a fixed set of requests to completion on it, which is what tests, benchmarks and
+the profiler use.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from policies.cost_model import RowOutlook, plan_step
+
+from .errors import RequestError
+from .generation import GenerationRequest, GenerationResult, SequenceState, TokenListener, listener_for
+from .kv import BLOCK_TOKENS, PagedCache
+from .models import LoadedModel
+from .plain import PlainEngine
+from .sampling import new_generator, sample_tokens, target_probs
+from .speculative.control import DraftCosts, DraftOutlook, RateEstimate, StepCosts, batch_bucket
+from .speculative.drafters import Drafter, DraftRow, Proposal
+from .speculative.rejection import accept_greedy, accept_sampled
+from .speculative.stats import SpeculationStats
+
+log = logging.getLogger("specroute.scheduler")
+KSetting = int | Literal["auto"]
+K_LIMIT = 32
+MIN_PREFILL_TOKENS = 16  # a step always prefills at least this much, however busy decoding is
+FailureListener = Callable[[BaseException], None]
+
+
+class LoopSettings(BaseModel):
+    """How one replica's step loop schedules (part of the backends' settings)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_batch: int = Field(32, ge=1, le=512, description="most sequences running at once")
+    max_step_tokens: int = Field(
+        512, ge=MIN_PREFILL_TOKENS, le=65536, description="tokens one step feeds: running rows, then prompt chunks"
+    )
+    prefill_chunk: int = Field(256, ge=1, le=65536, description="most prompt tokens of one request per step")
+    max_queued: int = Field(256, ge=0, le=100_000, description="requests waiting for a row before new ones get 429")
+    kv_cache_tokens: int | None = Field(
+        None, ge=64, description="tokens the KV cache may hold over all sequences (default: max_batch × 2048)"
+    )
+
+    @property
+    def cache_tokens(self) -> int:
+        return self.kv_cache_tokens or self.max_batch * 2048
+
+
+@dataclass
+class Row:
+    """One request in the loop, from waiting to finished."""
+
+    key: int
+    state: SequenceState
+    draft: DraftRow
+    drafter: Drafter | None
+    outlook: DraftOutlook | None  # running α and ρ (speculative rows)
+    rng: np.random.Generator  # Thompson draws of α for the planner
+    on_failure: FailureListener | None
+    seq: int = -1  # the target cache's sequence, once admitted
+    computed: int = 0  # prompt tokens already in the cache
+    cancelled: bool = False
+    done: bool = False
+    error: BaseException | None = field(default=None, repr=False)
+
+    @property
+    def prefilled(self) -> bool:
+        return self.computed >= len(self.state.prompt_ids)
+
+    @property
+    def stats(self) -> SpeculationStats | None:
+        return self.state.speculation
+
+
+@dataclass
+class _Drafting:
+    """What each drafter's call took this step, and how many context tokens it caught up on."""
+
+    seconds: dict[str, float] = field(default_factory=dict)
+    backlog: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class _Verified:
+    accepted: list[int]
+    emitted: list[list[int]]
+
+
+class Scheduler:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        settings: LoopSettings | None = None,
+        drafters: Sequence[Drafter] = (),
+        k: KSetting = "auto",
+        k_max: int = 8,
+        costs: StepCosts | None = None,
+        draft_costs: Mapping[str, DraftCosts] | None = None,
+    ):
+        """`drafters`: the drafters rows may speculate with (none: a plain loop); the first is the
+        default. `k`: a fixed draft length, or "auto" (planned per step up to `k_max`). `costs`
+        (the target's step-time table) may be shared by loops serving the same target;
+        `draft_costs` (per drafter name, e.g. from a profile) start each drafter's measured cost."""
+        if k != "auto" and not (type(k) is int and 0 <= k <= K_LIMIT):
+            raise RequestError(f"k must be an integer from 0 to {K_LIMIT} or 'auto' (got {k!r})")
+        if k == "auto" and not 1 <= k_max <= K_LIMIT:
+            raise RequestError(f"k_max must be between 1 and {K_LIMIT} (got {k_max})")
+        self.settings = settings or LoopSettings()
+        self.plain = PlainEngine(loaded)  # prompt encoding, EOS ids and context checks are shared
+        self.model, self.tokenizer = loaded.model, loaded.tokenizer
+        self.drafters = {d.name: d for d in drafters}
+        self.default_drafter = drafters[0].name if drafters else None
+        self.k, self.k_max = k, (k_max if k == "auto" else int(k))
+        layers = sorted({i for d in drafters for i in d.feature_layers})
+        self.cache = PagedCache(self.model, self.settings.cache_tokens, feature_layers=layers)
+        self.costs = costs if costs is not None or not drafters else step_costs(loaded, self.k_max + 1)
+        if self.costs is not None and self.costs.max_width < self.k_max + 1:
+            raise ValueError(f"the step-cost table covers widths up to {self.costs.max_width}, need {self.k_max + 1}")
+        seeded = draft_costs or {}
+        self.drafter_costs = {name: copy.deepcopy(seeded.get(name, DraftCosts())) for name in self.drafters}
+        self.drafter_totals = {name: SpeculationStats(drafter=name, k_mode=str(k)) for name in self.drafters}
+        # Each drafter's acceptance across requests: a new request starts from it.
+        self.outlooks = {
+            name: DraftOutlook(RateEstimate(decay=0.99), RateEstimate(prior_mean=0.9, decay=0.99))
+            for name in self.drafters
+        }
+        self.waiting: deque[Row] = deque()
+        self.running: list[Row] = []
+        self._next_key = 0
+        self.steps = 0
+
+    # -- requests ---------------------------------------------------------------------------
+    def check(self, request: GenerationRequest, drafter: str | None = None) -> list[int]:
+        """The request's prompt ids, or a `RequestError` saying why this loop cannot serve it."""
+        ids = self.plain.encode(request)
+        needed, capacity = len(ids) + request.max_tokens, self.settings.cache_tokens
+        if needed > capacity:
+            raise RequestError(
+                f"prompt ({len(ids)} tokens) + max_tokens ({request.max_tokens}) needs {needed} tokens of KV cache; "
+                f"this backend holds {capacity}: shorten the prompt or lower max_tokens"
+            )
+        self._drafter(drafter)
+        return ids
+
+    def submit(
+        self,
+        request: GenerationRequest,
+        listener: TokenListener | None = None,
+        drafter: str | None = None,
+        on_failure: FailureListener | None = None,
+    ) -> Row:
+        """Queue a request (its clock starts now); `listener` hears each token as it is appended."""
+        ids = self.check(request, drafter)
+        chosen = self._drafter(drafter)
+        generator, seed = new_generator(request.sampling.seed)
+        state = SequenceState(request, ids, self.plain.eos_ids, seed, time.perf_counter(), listener=listener)
+        key, self._next_key = self._next_key, self._next_key + 1
+        draft = DraftRow(key, state.prompt_ids, state.token_ids, request.sampling, generator)
+        outlook = None
+        if chosen is not None:
+            state.speculation = SpeculationStats(drafter=chosen.name, k_mode=str(self.k))
+            # Weight 4: a drafter known to fail rarely tempts a request into a costly first draft.
+            outlook = self.outlooks[chosen.name].seeded(weight=4.0)
+        row = Row(key, state, draft, chosen, outlook, np.random.default_rng(seed), on_failure)
+        self.waiting.append(row)
+        return row
+
+    def cancel(self, row: Row) -> None:
+        """The client is gone: the row leaves at the next step."""
+        row.cancelled = True
+
+    def abort(self, exc: BaseException) -> None:
+        """End every request in the loop with `exc` (the loop itself failed)."""
+        self._fail_all([*self.running, *self.waiting], exc)
+        self.running, self.waiting = [], deque()
+
+    @property
+    def idle(self) -> bool:
+        return not self.waiting and not self.running
+
+    def generate(
+        self,
+        requests: Sequence[GenerationRequest],
+        listeners: Sequence[TokenListener | None] | None = None,
+        drafters: Sequence[str | None] | None = None,
+    ) -> list[GenerationResult]:
+        """Run these requests to completion (a static batch when the loop is otherwise idle);
+        `listeners[i]` (optional) hears request i's tokens as they come, `drafters[i]` names the
+        drafter it speculates with (default: the loop's first)."""
+        if self.costs is not None and self.k == "auto":  # probes run before any request's clock starts
+            self.costs.ensure(min(len(requests), self.settings.max_batch))
+        rows = [
+            self.submit(r, listener_for(listeners, i, len(requests)), drafters[i] if drafters else None)
+            for i, r in enumerate(requests)
+        ]
+        while not all(r.done for r in rows):
+            self.step()
+        failed = next((r.error for r in rows if r.error is not None), None)
+        if failed is not None:
+            raise failed
+        return [r.state.result(self.tokenizer) for r in rows]
+
+    def _drafter(self, name: str | None) -> Drafter | None:
+        if name is None:
+            return self.drafters.get(self.default_drafter) if self.default_drafter else None
+        if name not in self.drafters:
+            if not self.drafters:
+                raise RequestError(f"this backend does not draft: drop the drafter {name!r}")
+            raise RequestError(f"unknown drafter {name!r}: this backend drafts with {', '.join(self.drafters)}")
+        return self.drafters[name]
+
+    # -- the step ---------------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self) -> None:
+        self.steps += 1
+        self._drop_cancelled()
+        self._admit()
+        prefilling = [r for r in self.running if not r.prefilled]
+        if prefilling:
+            # The running rows' newest tokens come out of the budget first; prompts get the rest.
+            decoding = len(self.running) - len(prefilling)
+            self._prefill(prefilling, max(self.settings.max_step_tokens - decoding, MIN_PREFILL_TOKENS))
+        decoding_rows = [r for r in self.running if r.prefilled and not r.done]
+        if decoding_rows:  # a prompt finished just now decodes in this very step
+            self._decode(decoding_rows)
+        self.running = [r for r in self.running if not r.done]
+
+    def _drop_cancelled(self) -> None:
+        for row in [r for r in self.running if r.cancelled]:
+            self._retire(row)
+        self.running = [r for r in self.running if not r.done]
+        kept = deque()
+        for row in self.waiting:
+            if row.cancelled:
+                row.done = True
+            else:
+                kept.append(row)
+        self.waiting = kept
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.settings.max_batch:
+            row = self.waiting[0]
+            needed = len(row.state.prompt_ids) + row.state.request.max_tokens
+            if not self.cache.can_reserve(needed):
+                break  # first come, first served: the head waits for room, and so does everyone behind it
+            self.waiting.popleft()
+            row.seq = self.cache.add(reserve=needed)
+            self.running.append(row)
+
+    def _prefill(self, rows: list[Row], budget: int) -> None:
+        """One pass over prompt chunks: oldest requests first, one chunk width for the pass."""
+        width = min(self.settings.prefill_chunk, max(len(r.state.prompt_ids) - r.computed for r in rows), budget)
+        chosen = rows[: max(1, budget // width)]
+        blocks = [r.state.prompt_ids[r.computed : r.computed + width] for r in chosen]
+        try:
+            out = self.cache.forward([r.seq for r in chosen], blocks, keep="last")
+        except Exception as exc:  # the pass failed: only the rows in it end
+            self._fail_all(chosen, exc)
+            return
+        for row, block in zip(chosen, blocks, strict=True):
+            row.computed += len(block)
+        self._report_features(chosen, [len(b) for b in blocks])
+        ready = [b for b, r in enumerate(chosen) if r.prefilled]
+        if ready:
+            done = [chosen[b] for b in ready]
+            params, generators = [r.draft.sampling for r in done], [r.draft.generator for r in done]
+            first = sample_tokens(out.logits[ready], params, generators)
+            for row, token in zip(done, first.tolist(), strict=True):
+                self._emit(row, [int(token)])
+
+    def _decode(self, rows: list[Row]) -> None:
+        """One target pass for every running row, with drafts where they pay."""
+        ks = self._plan(rows)
+        drafts, q, drafting = self._propose(rows, ks)
+        live = [b for b, r in enumerate(rows) if not r.done]  # a drafter failure ended some rows
+        rows, ks, drafts = [rows[b] for b in live], [ks[b] for b in live], [drafts[b] for b in live]
+        q = None if q is None else q[live]
+        if not rows:
+            return
+        drafted_at = time.perf_counter()
+        batch, longest = len(rows), 1 + max(len(d) for d in drafts)
+        width = self.costs.cheapest_width(batch, longest) if self.costs is not None and longest > 1 else longest
+        before = [self.cache.length(r.seq) for r in rows]
+        blocks = [[r.state.token_ids[-1], *d] for r, d in zip(rows, drafts, strict=True)]
+        try:
+            logits = self.cache.logits([r.seq for r in rows], blocks, width)
+            if logits.is_cuda:  # kernels run asynchronously: wait for them before reading the clock
+                torch.cuda.synchronize(logits.device)
+            forward_s = time.perf_counter() - drafted_at
+            verified = self._verify(rows, drafts, q, logits)
+        except Exception as exc:
+            self._fail_all(rows, exc)
+            return
+        for row, start, n in zip(rows, before, verified.accepted, strict=True):
+            self.cache.truncate(row.seq, start + 1 + n)
+        self._observe(rows, ks, drafts, verified.accepted)
+        self._report_features(rows, [n + 1 for n in verified.accepted])
+        verify_s = time.perf_counter() - drafted_at
+        self._record(rows, ks, drafts, verified.accepted, drafting, verify_s, forward_s, width)
+        for row, tokens in zip(rows, verified.emitted, strict=True):
+            self._emit(row, tokens)
+
+    # -- speculation ------------------------------------------------------------------------
+    def _plan(self, rows: list[Row]) -> list[int]:
+        """k per row for this step: fixed, or planned for the whole step from measurements."""
+        batch = len(rows)
+        caps = [self._k_cap(r, batch) for r in rows]
+        if self.k != "auto" or not any(caps):
+            return [min(self.k_max, c) for c in caps]
+        assert self.costs is not None
+        pass_s = [self.costs.seconds(batch, w) for w in range(1, self.costs.max_width + 1)]
+        eligible = [r for r, cap in zip(rows, caps, strict=True) if cap]
+        draft_s, catch_up = {}, {}
+        for name, drafter in self.drafters.items():
+            costs = self.drafter_costs[name]
+            drafting = max(1, sum(1 for r in eligible if r.drafter is drafter))  # the rows it would draft for
+            draft_s[name] = costs.step_s.get(batch_bucket(drafting), 0.0)
+            catch_up[name] = costs.catch_up_s(_backlog(drafter, eligible))
+        outlooks = [
+            RowOutlook(r.drafter.name, r.outlook.alpha.sample(r.rng), r.outlook.proposal.mean, cap)
+            if r.drafter is not None and r.outlook is not None
+            else RowOutlook(None, 0.0, 0.0, 0)
+            for r, cap in zip(rows, caps, strict=True)
+        ]
+        return plan_step(outlooks, pass_s, draft_s, self.k_max, catch_up)
+
+    def _k_cap(self, row: Row, batch: int) -> int:
+        if row.drafter is None:
+            return 0
+        state = row.state
+        k = self.k_max if row.drafter.max_draft is None else min(self.k_max, row.drafter.max_draft)
+        left = state.request.max_tokens - len(state.token_ids)
+        room = (self.plain.context_length or 1 << 30) - row.draft.length
+        fits = self.settings.max_step_tokens // batch  # the step's token budget bounds the pass width
+        # A step emits up to k + 1 tokens: never draft past max_tokens or the context.
+        return max(0, min(k, left - 1, room - 1, fits - 1))
+
+    def _propose(self, rows: list[Row], ks: list[int]) -> tuple[list[list[int]], torch.Tensor | None, _Drafting]:
+        """Each drafter drafts for its rows that asked; drafts per row, q over the batch (None when
+        every draft is deterministic or no sampling row drafted) and what drafting took."""
+        drafts: list[list[int]] = [[] for _ in rows]
+        proposals: dict[str, tuple[list[int], Proposal]] = {}
+        drafting = _Drafting()
+        for name, drafter in self.drafters.items():
+            group = [b for b, r in enumerate(rows) if r.drafter is drafter and ks[b] > 0]
+            if not group:
+                continue
+            drafting.backlog[name] = _backlog(drafter, [rows[b] for b in group])
+            started = time.perf_counter()
+            try:
+                proposal = drafter.propose([rows[b].draft for b in group], [ks[b] for b in group])
+            except Exception as exc:  # a drafter failure ends its rows only
+                self._fail_all([rows[b] for b in group], exc)
+                continue
+            drafting.seconds[name] = time.perf_counter() - started
+            proposals[name] = (group, proposal)
+            for b, tokens in zip(group, proposal.tokens, strict=True):
+                drafts[b] = list(tokens[: ks[b]])
+        return drafts, self._draft_probs(rows, drafts, proposals), drafting
+
+    def _draft_probs(
+        self, rows: list[Row], drafts: list[list[int]], proposals: dict[str, tuple[list[int], Proposal]]
+    ) -> torch.Tensor | None:
+        """q (B, K, V) for the sampling rows' drafts: a drafter's own q, one-hot for deterministic
+        drafts. None when no sampling row drafted."""
+        sampled = [b for b, r in enumerate(rows) if not r.draft.sampling.greedy and drafts[b]]
+        if not sampled:
+            return None
+        width = max(len(d) for d in drafts)
+        vocab = self.model.get_output_embeddings().weight.shape[0]
+        q = torch.zeros((len(rows), width, vocab), dtype=torch.float32, device=self.cache.device)
+        for group, proposal in proposals.values():
+            for j, b in enumerate(group):
+                if b not in sampled:
+                    continue
+                n = len(drafts[b])
+                if proposal.q is not None:
+                    q[b, :n] = proposal.q[j, :n].to(q.dtype)
+                else:
+                    q[b, torch.arange(n), torch.tensor(drafts[b])] = 1.0
+        return q
+
+    def _verify(
+        self, rows: list[Row], drafts: list[list[int]], q: torch.Tensor | None, logits: torch.Tensor
+    ) -> _Verified:
+        """Accepted count and emitted tokens per row: greedy rows by argmax, sampling rows exactly
+        (speculative sampling; a row without drafts samples its next token as plain decoding does)."""
+        draft_width = max(len(d) for d in drafts)
+        logits = logits[:, : draft_width + 1]
+        if draft_width == 0:  # a plain step: the same draws as the plain engine
+            params, gens = [r.draft.sampling for r in rows], [r.draft.generator for r in rows]
+            tokens = sample_tokens(logits[:, 0], params, gens).tolist()
+            return _Verified([0] * len(rows), [[int(t)] for t in tokens])
+        padded = torch.zeros((len(drafts), draft_width), dtype=torch.long, device=logits.device)
+        for b, d in enumerate(drafts):
+            padded[b, : len(d)] = torch.tensor(d, dtype=torch.long)
+        lengths = torch.tensor([len(d) for d in drafts], device=logits.device)
+        accepted, next_tokens = accept_greedy(padded, lengths, logits.argmax(dim=-1))
+        sampled = [b for b, r in enumerate(rows) if not r.draft.sampling.greedy]
+        if sampled:
+            params = [rows[b].draft.sampling for b in sampled]
+            p = target_probs(logits[sampled], params)
+            q_rows = None if q is None else q[sampled, :draft_width]
+            gens = [rows[b].draft.generator for b in sampled]
+            accepted[sampled], next_tokens[sampled] = accept_sampled(padded[sampled], lengths[sampled], p, q_rows, gens)
+        counts = accepted.tolist()
+        emitted = [d[:n] + [int(t)] for d, n, t in zip(drafts, counts, next_tokens.tolist(), strict=True)]
+        return _Verified(counts, emitted)
+
+    def _observe(self, rows: list[Row], ks: list[int], drafts: list[list[int]], accepted: list[int]) -> None:
+        """Drafters roll back past their rejected drafts; α and ρ estimates learn the outcome."""
+        for drafter in self.drafters.values():
+            group = [b for b, r in enumerate(rows) if r.drafter is drafter and ks[b] > 0]
+            if group:
+                drafter.observe([rows[b].draft for b in group], [accepted[b] for b in group])
+        for row, k, d, n in zip(rows, ks, drafts, accepted, strict=True):
+            if row.outlook is not None and row.drafter is not None:
+                row.outlook.observe(k, len(d), n)
+                self.outlooks[row.drafter.name].observe(k, len(d), n)
+
+    def _report_features(self, rows: list[Row], counts: list[int]) -> None:
+        """Feature drafters get the target's hidden states of each row's newly verified tokens."""
+        for drafter in self.drafters.values():
+            if not drafter.feature_layers:
+                continue
+            group = [b for b, r in enumerate(rows) if r.drafter is drafter and not r.done]
+            if group:
+                features = self.cache.features(drafter.feature_layers)
+                drafter.observe_target([rows[b].draft for b in group], [features[b, : counts[b]] for b in group])
+
+    def _record(
+        self,
+        rows: list[Row],
+        ks: list[int],
+        drafts: list[list[int]],
+        accepted: list[int],
+        drafting: _Drafting,
+        verify_s: float,
+        forward_s: float,
+        width: int,
+    ) -> None:
+        """Statistics per row and per drafter, and the measured costs the planner reads."""
+        batch = len(rows)
+        if self.costs is None:
+            return
+        self.costs.record_target(batch, width, forward_s)
+        step_s = self.costs.seconds(batch, 1)
+        for name, drafter in self.drafters.items():
+            group = [b for b, r in enumerate(rows) if r.drafter is drafter]
+            if not group:
+                continue
+            asked, draft_s = [ks[b] for b in group], drafting.seconds.get(name, 0.0)
+            if name in drafting.seconds:
+                rows_drafting = sum(1 for k in asked if k)
+                self.drafter_costs[name].record(rows_drafting, max(asked), draft_s, drafting.backlog[name])
+            drafted, ok = [len(drafts[b]) for b in group], [accepted[b] for b in group]
+            totals = self.drafter_totals[name]
+            totals.target_step_s = step_s
+            totals.record(max(asked), drafted, ok, draft_s, verify_s, asked)
+        for row, k, d, n in zip(rows, ks, drafts, accepted, strict=True):
+            stats = row.stats
+            if stats is None or row.drafter is None:
+                continue
+            stats.target_step_s = step_s
+            # A row pays drafting time only on steps it drafted in.
+            stats.record(k, [len(d)], [n], drafting.seconds.get(row.drafter.name, 0.0) if d else 0.0, verify_s)
+
+    # -- rows leaving -----------------------------------------------------------------------
+    def _emit(self, row: Row, tokens: list[int]) -> None:
+        """Append tokens one by one, stopping where the row finishes (then it leaves)."""
+        try:
+            for token in tokens:
+                if row.state.append(token, self.tokenizer):
+                    self._retire(row)
+                    return
+        except Exception as exc:  # a listener or stop-string check failed: this row alone ends
+            self._fail(row, exc)
+
+    def _retire(self, row: Row) -> None:
+        if row.done:
+            return
+        row.done = True
+        if row.seq >= 0:
+            self.cache.remove(row.seq)
+        if row.drafter is not None:
+            row.drafter.release(row.key)
+
+    def _fail(self, row: Row, exc: BaseException) -> None:
+        log.warning("request %d failed in the step loop: %s: %s", row.key, type(exc).__name__, exc)
+        row.error = exc
+        self._retire(row)
+        if row.on_failure is not None:
+            try:
+                row.on_failure(exc)
+            except Exception:  # nobody is listening any more
+                log.debug("failure of request %d not delivered", row.key)
+
+    def _fail_all(self, rows: list[Row], exc: BaseException) -> None:
+        for row in rows:
+            self._fail(row, exc)
+
+
+def _backlog(drafter: Drafter, rows: list[Row]) -> int:
+    """Context tokens `drafter` must read before drafting for those of `rows` it serves."""
+    return sum(drafter.backlog(r.draft) for r in rows if r.drafter is drafter)
+
+
+def step_costs(loaded: LoadedModel, max_width: int) -> StepCosts:
+    """A step-cost table for this target, probed per batch bucket on first use."""
+
+    def probe(batch: int, widths: Sequence[int]) -> dict[int, float]:
+        return measure_step_times(loaded.model, batch, widths)
+
+    return StepCosts(probe, max_width=max_width)
+
+
+PROBE_CONTEXT = 64  # tokens per row in the step-cost probe
+PROBE_REPEATS = 3
+
+
+@torch.inference_mode()
+def measure_step_times(
+    model: torch.nn.Module,
+    batch: int,
+    widths: Sequence[int],
+    context: int = PROBE_CONTEXT,
+    repeats: int = PROBE_REPEATS,
+) -> dict[int, float]:
+    """Best-of-`repeats` seconds of a target pass of each width (new tokens per row) over a random
+    context, through the same paged cache the step loop uses. The repeats go round all widths in
+    turn, so a slow spell on a busy machine spoils one round of every width rather than every try
+    of one width."""
+    cache = PagedCache(model, batch * (context + max(widths) + BLOCK_TOKENS))
+    seqs = [cache.add() for _ in range(batch)]
+    generator = torch.Generator().manual_seed(0)
+    vocab = model.config.vocab_size  # not the LM head: an int8 head has no float weight matrix
+
+    def tokens(width: int) -> list[list[int]]:
+        return torch.randint(0, vocab, (batch, width), generator=generator).tolist()
+
+    cache.last_logits(seqs, tokens(context))
+    # One untimed pass first: a dtype's first kernels can carry one-off set-up costs (bf16 on CPU).
+    float(cache.logits(seqs, tokens(1))[0, -1, 0])
+    for seq in seqs:
+        cache.truncate(seq, context)
+    seconds = dict.fromkeys(widths, float("inf"))
+    for _ in range(repeats):
+        for width in widths:
+            block = tokens(width)
+            started = time.perf_counter()
+            float(cache.logits(seqs, block)[0, -1, 0])  # reading a value waits for an asynchronous device
+            seconds[width] = min(seconds[width], time.perf_counter() - started)
+            for seq in seqs:
+                cache.truncate(seq, context)
+    return seconds

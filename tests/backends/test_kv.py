@@ -1,0 +1,133 @@
+"""The paged KV cache: every sequence attends to exactly its own tokens at its own positions,
+whatever else joins, grows, is cut back or leaves, and the pool never holds more than it may."""
+
+import pytest
+import torch
+
+from backends.kv import CacheFull, PagedCache
+
+TOL = {"atol": 1e-4, "rtol": 1e-4}
+
+
+@torch.inference_mode()
+def _clean_logits(model, tokens: list[int]) -> torch.Tensor:
+    """Logits after `tokens`, with no cache at all."""
+    return model(input_ids=torch.tensor([tokens])).logits[0, -1]
+
+
+@torch.inference_mode()
+def test_rows_of_different_lengths_attend_only_to_their_own_tokens(tiny_target):
+    model = tiny_target.model
+    cache = PagedCache(model, 1024, block_tokens=4)
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [20, 21, 22]]
+    seqs = [cache.add() for _ in prompts]
+    last = cache.last_logits(seqs, prompts)
+    for row, prompt in enumerate(prompts):
+        torch.testing.assert_close(last[row], _clean_logits(model, prompt), **TOL)
+    blocks = [[30, 31, 32, 33], [40]]
+    every = cache.logits(seqs, blocks, width=6)  # right-padded past the longest block
+    assert every.shape[:2] == (2, 6)
+    for row, (prompt, block) in enumerate(zip(prompts, blocks, strict=True)):
+        for j in range(len(block)):
+            torch.testing.assert_close(every[row, j], _clean_logits(model, prompt + block[: j + 1]), **TOL)
+
+
+@torch.inference_mode()
+def test_cutting_back_rejected_tokens_leaves_exactly_the_kept_prefix(tiny_target):
+    model = tiny_target.model
+    cache = PagedCache(model, 1024, block_tokens=4)
+    seqs = [cache.add(), cache.add()]
+    cache.last_logits(seqs, [[5, 6, 7], [8, 9]])
+    cache.logits(seqs, [[10, 11, 12, 13, 14, 15], [16, 17]])
+    cache.truncate(seqs[0], 4)  # keeps 5 6 7 10: the rest were rejected drafts
+    cache.truncate(seqs[1], 4)
+    assert (cache.length(seqs[0]), cache.length(seqs[1])) == (4, 4)
+    assert len(cache.sequences[seqs[0]].blocks) == 1  # blocks past the kept prefix went back to the pool
+    logits = cache.last_logits(seqs, [[50], [60]])
+    torch.testing.assert_close(logits[0], _clean_logits(model, [5, 6, 7, 10, 50]), **TOL)
+    torch.testing.assert_close(logits[1], _clean_logits(model, [8, 9, 16, 17, 60]), **TOL)
+    with pytest.raises(ValueError):
+        cache.truncate(seqs[0], 9)
+
+
+@torch.inference_mode()
+def test_joining_and_leaving_never_touch_another_sequences_keys(tiny_target):
+    model = tiny_target.model
+    cache = PagedCache(model, 1024, block_tokens=4)
+    stay = cache.add()
+    cache.last_logits([stay], [[5, 6, 7, 8, 9]])
+    blocks = list(cache.sequences[stay].blocks)
+    slots = [b * 4 + j for b in blocks for j in range(4)][:5]  # where its 5 tokens' keys live
+
+    def stored() -> list[torch.Tensor]:
+        return [pool[slots].clone() for pool in (*cache.keys, *cache.values)]
+
+    snapshot = stored()
+    joined = cache.add()
+    cache.last_logits([joined, stay], [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [11]])  # a newcomer shares a pass
+    cache.remove(joined)
+    again = cache.add()
+    cache.last_logits([again], [[3, 3, 3]])  # reuses the freed blocks
+    assert cache.sequences[stay].blocks[: len(blocks)] == blocks
+    assert all(torch.equal(x, y) for x, y in zip(snapshot, stored(), strict=True))  # bit for bit
+    logits = cache.last_logits([stay], [[12]])
+    torch.testing.assert_close(logits[0], _clean_logits(model, [5, 6, 7, 8, 9, 11, 12]), **TOL)
+
+
+@torch.inference_mode()
+def test_the_pool_grows_on_demand_and_never_past_its_bound(tiny_target):
+    model = tiny_target.model
+    cache = PagedCache(model, max_tokens=64 * 4, block_tokens=4)  # 64 blocks: the first pool is all of it
+    assert cache.can_reserve(64 * 4) and not cache.can_reserve(64 * 4 + 1)
+    big = cache.add(reserve=200)
+    assert not cache.can_reserve(60)  # 50 blocks promised, 14 left
+    assert cache.can_reserve(56)
+    with pytest.raises(CacheFull):
+        cache.add(reserve=60)
+    cache.remove(big)
+    assert cache.can_reserve(256)
+    small = PagedCache(model, max_tokens=4096, block_tokens=4)
+    start = small.keys[0].shape[0]
+    seq = small.add()
+    prompt = list(range(3, 3 + 400))
+    logits = small.last_logits([seq], [prompt])  # more than the first pool: it doubles, keeping what it held
+    assert small.keys[0].shape[0] > start
+    torch.testing.assert_close(logits[0], _clean_logits(model, prompt), **TOL)
+    with pytest.raises(CacheFull):
+        small.last_logits([seq], [list(range(5000))])
+
+
+@torch.inference_mode()
+def test_padding_repeats_the_last_real_position_and_writes_nowhere_read(tiny_target):
+    cache = PagedCache(tiny_target.model, 1024, block_tokens=4)
+    seqs = [cache.add(), cache.add()]
+    cache.last_logits(seqs, [[5, 6, 7], [8]])
+    positions, mask = cache._plan(seqs, [3, 1], [2, 0], width=4)
+    cache._pass = None
+    assert positions.tolist() == [[3, 4, 4, 4], [0, 0, 0, 0]]  # an empty block: all padding, at its last position
+    assert mask.shape == (2, 1, 4, 8)
+    assert mask[0, 0, 0].tolist() == [True] * 4 + [False] * 4  # the first new token sees the prompt and itself
+    assert mask[1, 0, 0].tolist() == [True] + [False] * 7  # padding of an empty block sees the row's one token
+
+
+@pytest.mark.slow
+def test_feature_layers_are_the_models_own_hidden_states(loaded):
+    """What feature drafters read: transformers' hidden_states at the chosen indices, captured by
+    hooks during the cache's own passes (a prompt, then a right-padded block)."""
+    model = loaded.model
+    layers = [0, 4, model.config.num_hidden_layers]
+    cache = PagedCache(model, 4096, feature_layers=layers)
+    prompts = [[1, 2, 3, 4, 5], [7, 8]]
+    seqs = [cache.add(), cache.add()]
+    cache.last_logits(seqs, prompts)
+    with torch.inference_mode():
+        hidden = model(input_ids=torch.tensor([prompts[0]]), output_hidden_states=True).hidden_states
+    features = cache.features(layers)
+    assert features.shape == (2, 5, 3 * model.config.hidden_size)
+    torch.testing.assert_close(features[0], torch.cat([hidden[i][0] for i in layers], dim=-1), rtol=1e-3, atol=1e-3)
+    cache.logits(seqs, [[6, 9], [3]])
+    with torch.inference_mode():
+        full = model(input_ids=torch.tensor([prompts[0] + [6, 9]]), output_hidden_states=True).hidden_states
+    torch.testing.assert_close(
+        cache.features(layers)[0], torch.cat([full[i][0, 5:] for i in layers], -1), rtol=1e-3, atol=1e-3
+    )

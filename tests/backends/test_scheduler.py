@@ -1,0 +1,338 @@
+"""The step loop: requests join and leave a running batch at any step, prompts are prefilled in
+chunks between decode steps, memory stays bounded, failures stay with their own request — and
+every request's greedy tokens are exactly what the plain engine produces for it alone, for the
+plain loop and every drafter, whatever else arrived, finished or left meanwhile (a property
+checked over many random schedules); sampling keeps the target's distribution (χ²)."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import pytest
+
+from backends.errors import RequestError
+from backends.generation import GenerationRequest, GenerationResult
+from backends.plain import PlainEngine
+from backends.sampling import SamplingParams
+from backends.scheduler import LoopSettings, Scheduler
+from backends.speculative.control import StepCosts
+from backends.speculative.drafters import Drafter, ModelDrafter, NgramDrafter, early_exit_model
+from backends.speculative.factory import DrafterConfig, build_drafter
+from profiler.workloads import load_prompt_set
+
+from .conftest import BrokenDrafter, perturbed, tiny_model
+from .speculative.test_engine import SAMPLING, _exact_joint, _matches_target
+
+STOPS = ["\n\n", ".", " the", "ing", ","]
+
+
+@dataclass
+class Arrival:
+    step: int
+    request: GenerationRequest
+    drafter: str | None = None
+
+
+def run_schedule(scheduler: Scheduler, arrivals: list[Arrival]) -> list[GenerationResult]:
+    """Submit each request at its step (fast-forwarding while the loop is idle); results in order."""
+    order = sorted(range(len(arrivals)), key=lambda i: arrivals[i].step)
+    rows: dict[int, object] = {}
+    step = 0
+    while len(rows) < len(arrivals) or not scheduler.idle:
+        while len(rows) < len(arrivals) and arrivals[order[len(rows)]].step <= step:
+            i = order[len(rows)]
+            rows[i] = scheduler.submit(arrivals[i].request, drafter=arrivals[i].drafter)
+        if scheduler.idle and len(rows) < len(arrivals):
+            step = arrivals[order[len(rows)]].step
+            continue
+        scheduler.step()
+        step += 1
+    for row in rows.values():
+        assert row.error is None, row.error
+    return [rows[i].state.result(scheduler.tokenizer) for i in range(len(arrivals))]
+
+
+def _prompt_pool() -> list[GenerationRequest]:
+    """Prompts of very different lengths: the prompt set's (one per category), two raw ones, and a
+    long document that takes many prefill chunks."""
+    prompts = [c.prompts[0].messages for c in load_prompt_set().categories.values()]
+    pool = [GenerationRequest(messages=m) for m in prompts]
+    pool += [GenerationRequest(prompt="1, 2, 3, 4, 5,"), GenerationRequest(prompt="def fibonacci(n):")]
+    document = " ".join(m.content for messages in prompts[:2] for m in messages)  # ~220 tokens
+    pool.append(GenerationRequest(messages=[{"role": "user", "content": f"Summarise, reusing its words: {document}"}]))
+    return pool
+
+
+def random_schedule(seed: int, pool: list[GenerationRequest], count: int, drafters: list[str | None]) -> list[Arrival]:
+    rng = random.Random(seed)
+    arrivals = []
+    for _ in range(count):
+        update = {"max_tokens": rng.randint(1, 20)}
+        if rng.random() < 0.4:
+            update["stop"] = [rng.choice(STOPS)]
+        request = rng.choice(pool).model_copy(update=update)
+        arrivals.append(Arrival(rng.randint(0, 24), request, rng.choice(drafters)))
+    return arrivals
+
+
+class _References:
+    """The plain engine's output for a request decoded alone, computed once per distinct request."""
+
+    def __init__(self, engine: PlainEngine):
+        self.engine, self.known = engine, {}
+
+    def __call__(self, request: GenerationRequest) -> list[int]:
+        key = request.model_dump_json()
+        if key not in self.known:
+            self.known[key] = self.engine.generate([request])[0].token_ids
+        return self.known[key]
+
+
+@pytest.fixture(scope="module")
+def references(engine) -> _References:
+    return _References(engine)
+
+
+@pytest.fixture(scope="module")
+def pool() -> list[GenerationRequest]:
+    return _prompt_pool()
+
+
+# Small budgets so that schedules exercise chunked prefill, waiting for a row and waiting for memory.
+TIGHT = LoopSettings(max_batch=4, max_step_tokens=96, prefill_chunk=40, kv_cache_tokens=1536)
+
+
+def _drafters(kind: str, loaded) -> list[Drafter]:
+    vocab = loaded.model.get_output_embeddings().weight.shape[0]
+    if kind == "plain":
+        return []
+    if kind == "ngram":
+        return [NgramDrafter(max_n=4, min_n=1)]
+    if kind == "early-exit":
+        return [ModelDrafter(early_exit_model(loaded.model, 4), 0, vocab)]
+    if kind == "random-model":  # almost never agrees: every step rejects, resamples and rolls back
+        return [ModelDrafter(tiny_model(vocab, seed=5), 0, vocab)]
+    if kind == "ngram+early-exit":  # two drafters in one loop, as the speculative backend runs them
+        return _drafters("ngram", loaded) + _drafters("early-exit", loaded)
+    return [build_drafter(DrafterConfig(kind=kind), loaded)]
+
+
+KINDS = ["plain", "ngram", "early-exit", "random-model", "ngram+early-exit", "eagle", "medusa", "early-exit-adapter"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", KINDS)
+def test_greedy_output_is_the_plain_engines_whatever_joins_or_leaves(loaded, pool, references, kind):
+    drafters = _drafters(kind, loaded)
+    names: list[str | None] = [d.name for d in drafters] or [None]
+    # Odd seeds plan k per step (as the service does), even ones draft a fixed k.
+    seeds = (0, 1, 2) if kind in ("plain", "ngram", "ngram+early-exit") else (1,)
+    for seed in seeds:
+        scheduler = Scheduler(loaded, TIGHT, [d.fresh() for d in drafters], k="auto" if seed % 2 else 3)
+        arrivals = random_schedule(seed, pool, 7, names)
+        results = run_schedule(scheduler, arrivals)
+        for i, (arrival, result) in enumerate(zip(arrivals, results, strict=True)):
+            assert result.token_ids == references(arrival.request), f"seed {seed}, request {i}"
+        assert scheduler.cache.sequences == {}  # every row left and gave its blocks back
+
+
+@pytest.mark.slow
+def test_many_schedules_of_the_plain_loop_match_decoding_alone(loaded, pool, references):
+    settings = LoopSettings(max_batch=6, max_step_tokens=64, prefill_chunk=24, kv_cache_tokens=2048)
+    for seed in range(10, 16):
+        scheduler = Scheduler(loaded, settings)
+        arrivals = random_schedule(seed, pool, 6, [None])
+        results = run_schedule(scheduler, arrivals)
+        assert [r.token_ids for r in results] == [references(a.request) for a in arrivals], f"seed {seed}"
+
+
+# ---- scheduling, on a tiny model ----
+
+
+def _tiny_scheduler(tiny_target, settings: LoopSettings, drafters=()) -> Scheduler:
+    return Scheduler(tiny_target, settings, list(drafters), k=2)
+
+
+def _request(tokens: int, text: str = "Hello there", **fields) -> GenerationRequest:
+    return GenerationRequest(prompt=text, max_tokens=tokens, ignore_eos=True, **fields)
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_while_running_streams_keep_decoding(tiny_target, monkeypatch):
+    settings = LoopSettings(max_batch=4, max_step_tokens=64, prefill_chunk=32)
+    scheduler = _tiny_scheduler(tiny_target, settings)
+    widths = []
+    forward = scheduler.cache.forward
+
+    def spy(seqs, blocks, width=None, keep="all", **inputs):
+        widths.append(max(len(b) for b in blocks))
+        return forward(seqs, blocks, width, keep, **inputs)
+
+    monkeypatch.setattr(scheduler.cache, "forward", spy)
+    short = scheduler.submit(_request(40))
+    scheduler.step()
+    long_prompt = " ".join(["word"] * 600)
+    long = scheduler.submit(_request(4, long_prompt))
+    produced = []
+    while not long.state.token_ids:
+        scheduler.step()
+        produced.append(len(short.state.token_ids))
+    prompt_tokens = len(long.state.prompt_ids)
+    assert prompt_tokens > 10 * 32 and max(widths) <= 32
+    assert len(produced) >= prompt_tokens // 32  # the prompt took many steps …
+    assert produced == list(range(produced[0], produced[0] + len(produced)))  # … each one a token for the short row
+
+
+def test_no_more_than_max_batch_run_and_the_rest_wait_in_order(tiny_target):
+    scheduler = _tiny_scheduler(tiny_target, LoopSettings(max_batch=2))
+    rows = [scheduler.submit(_request(3 + i)) for i in range(5)]
+    admitted_order, peak = [], 0
+    while not scheduler.idle:
+        scheduler.step()
+        peak = max(peak, len(scheduler.running))
+        admitted_order += [r.key for r in scheduler.running if r.key not in admitted_order]
+    assert peak == 2 and admitted_order == [r.key for r in rows]
+    assert all(len(r.state.token_ids) == 3 + i for i, r in enumerate(rows))
+
+
+def test_a_request_that_does_not_fit_in_memory_yet_waits_for_room(tiny_target):
+    settings = LoopSettings(max_batch=8, kv_cache_tokens=64)
+    scheduler = _tiny_scheduler(tiny_target, settings)
+    first, second = scheduler.submit(_request(40)), scheduler.submit(_request(40))
+    scheduler.step()
+    assert scheduler.running == [first] and list(scheduler.waiting) == [second]  # 2 × 43 tokens > 64
+    while not first.done:
+        scheduler.step()
+        assert len(scheduler.running) <= 1
+    while not second.done:
+        scheduler.step()
+    assert len(second.state.token_ids) == 40
+    with pytest.raises(RequestError, match="KV cache"):
+        scheduler.submit(_request(100))  # could never fit: refused at once, not queued forever
+
+
+def test_a_cancelled_request_leaves_at_the_next_step_and_frees_its_blocks(tiny_target):
+    scheduler = _tiny_scheduler(tiny_target, LoopSettings())
+    stay, leave = scheduler.submit(_request(30)), scheduler.submit(_request(30))
+    for _ in range(3):
+        scheduler.step()
+    scheduler.cancel(leave)
+    scheduler.step()
+    assert leave.done and leave.seq not in scheduler.cache.sequences and scheduler.running == [stay]
+    waiting = scheduler.submit(_request(5))
+    scheduler.cancel(waiting)  # gone before it was admitted
+    while not scheduler.idle:
+        scheduler.step()
+    assert len(stay.state.token_ids) == 30 and waiting.state.token_ids == []
+
+
+def test_a_failing_drafter_ends_only_its_own_requests(tiny_target):
+    scheduler = Scheduler(tiny_target, LoopSettings(), [NgramDrafter(), BrokenDrafter()], k=2)
+    failures = []
+    good = scheduler.submit(_request(12), drafter="ngram")
+    bad = scheduler.submit(_request(12), drafter="broken", on_failure=failures.append)
+    plain = PlainEngine(tiny_target).generate([_request(12)])[0]
+    while not scheduler.idle:
+        scheduler.step()
+    assert [str(e) for e in failures] == ["drafter broke"] and bad.error is failures[0]
+    assert good.error is None and good.state.token_ids == plain.token_ids
+    assert scheduler.cache.sequences == {}
+
+
+def test_a_failing_listener_ends_only_its_own_request(tiny_target):
+    scheduler = _tiny_scheduler(tiny_target, LoopSettings())
+
+    def listener(state, token):
+        if len(state.token_ids) == 3:
+            raise ValueError("client went away")
+
+    good = scheduler.submit(_request(8))
+    bad = scheduler.submit(_request(8), listener=listener)
+    while not scheduler.idle:
+        scheduler.step()
+    assert isinstance(bad.error, ValueError) and len(bad.state.token_ids) == 3
+    assert good.error is None and len(good.state.token_ids) == 8
+
+
+def test_unknown_drafters_and_drafting_on_a_plain_loop_are_refused(tiny_target):
+    with pytest.raises(RequestError, match="unknown drafter"):
+        Scheduler(tiny_target, LoopSettings(), [NgramDrafter()]).submit(_request(2), drafter="medusa")
+    with pytest.raises(RequestError, match="does not draft"):
+        Scheduler(tiny_target, LoopSettings()).submit(_request(2), drafter="ngram")
+
+
+def _costs(curve) -> StepCosts:
+    """A step-cost table from a closed form t(b, w), no probing."""
+    return StepCosts(lambda batch, widths: {w: curve(batch, w) for w in widths}, max_width=9)
+
+
+def test_the_speculative_loop_turns_into_a_plain_batcher_when_the_batch_is_compute_bound(tiny_target):
+    # Memory-bound at small batch (a wide pass costs little more), compute-bound from 8 rows on.
+    def curve(batch, width):
+        return 0.05 * (1 + 0.02 * (width - 1)) if batch < 8 else 0.05 * batch / 8 * width
+
+    text = "red green blue red green blue red green blue red green blue"  # prompt lookup matches
+    scheduler = Scheduler(tiny_target, LoopSettings(), [NgramDrafter(max_n=3, min_n=1)], k="auto", costs=_costs(curve))
+    alone = scheduler.generate([_request(20, text)])[0]
+    crowd = scheduler.generate([_request(20, text) for _ in range(16)])
+    assert max(alone.speculation.k_history) > 0  # alone, drafting pays
+    assert all(k == 0 for r in crowd for k in r.speculation.k_history)  # 16 rows: every step a plain step
+
+
+def test_sampled_rows_joining_and_leaving_keep_the_targets_distribution(tiny_target):
+    """Tokens 2 and 3 of a prompt, sampled while other requests arrive at random steps and finish
+    early (speculative loop, a mostly agreeing draft model): χ² against the exact joint."""
+    vocab = tiny_target.model.config.vocab_size
+    drafter = ModelDrafter(perturbed(tiny_target.model, noise=0.4, seed=9), 0, vocab)
+    scheduler = Scheduler(tiny_target, LoopSettings(max_batch=6), [drafter], k=2)
+    prompt, others = "Once upon a time", ["A much longer prompt about something else entirely", "Hi"]
+    rng = random.Random(0)
+    samples = []
+    for batch in range(300):
+        arrivals = [
+            Arrival(
+                rng.randint(0, 3),
+                GenerationRequest(
+                    prompt=prompt if row < 5 else rng.choice(others),
+                    max_tokens=4 if row < 5 else rng.randint(1, 6),
+                    ignore_eos=True,
+                    sampling=SAMPLING.model_copy(update={"seed": batch * 10 + row}),
+                ),
+            )
+            for row in range(8)
+        ]
+        results = run_schedule(scheduler, arrivals)
+        samples += [tuple(r.token_ids[1:3]) for r in results[:5]]
+    totals = scheduler.drafter_totals[drafter.name]
+    assert 0.1 * totals.draft_tokens < totals.accepted_tokens < 0.95 * totals.draft_tokens  # both paths ran
+    assert _matches_target(samples, _exact_joint(tiny_target, tiny_target.tokenizer(prompt).input_ids, SAMPLING))
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_a_seeded_sample_is_the_same_whatever_it_is_batched_with(tiny_target, k):
+    vocab = tiny_target.model.config.vocab_size
+    sampling = SamplingParams(temperature=1.0, top_k=6, seed=11)
+    request = GenerationRequest(prompt="Hello there", max_tokens=16, ignore_eos=True, sampling=sampling)
+
+    def loop() -> Scheduler:
+        drafter = ModelDrafter(perturbed(tiny_target.model, noise=0.4, seed=9), 0, vocab)
+        return Scheduler(tiny_target, LoopSettings(), [drafter], k=k)
+
+    alone = loop().generate([request])[0]
+    others = [
+        Arrival(step, _request(n, "Something else, longer", sampling=sampling.model_copy(update={"seed": step})))
+        for step, n in ((0, 5), (2, 30), (6, 3))
+    ]
+    mixed = run_schedule(loop(), [Arrival(3, request), *others])[0]
+    assert mixed.token_ids == alone.token_ids and mixed.seed == 11
+    if k == 0:  # plain steps draw exactly what the plain engine draws
+        assert PlainEngine(tiny_target).generate([request])[0].token_ids == alone.token_ids
+
+
+def test_ttft_counts_the_wait_for_a_row(tiny_target):
+    scheduler = _tiny_scheduler(tiny_target, LoopSettings(max_batch=1))
+    first, second = scheduler.submit(_request(20)), scheduler.submit(_request(2))
+    while not scheduler.idle:
+        scheduler.step()
+    a, b = first.state.result(scheduler.tokenizer), second.state.result(scheduler.tokenizer)
+    assert b.ttft_s > a.ttft_s + 19 * a.tpot_s  # its clock ran while the first request held the only row
