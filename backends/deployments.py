@@ -72,7 +72,6 @@ class _Backend:
         self.settings = BackendSettings.model_validate(settings)
         s = self.settings
         self.loaded = load_model(s.model, dtype=s.dtype, device=s.device, threads=s.threads)
-        self.checker = PlainEngine(self.loaded)
         self.static: EngineQueue | None = None
         self.static_drafters: dict[int, str | None] = {}
 
@@ -155,7 +154,7 @@ class QuantizedBackend(_Backend):
 
     def __init__(self, settings: dict[str, Any]):
         super().__init__(settings)
-        self.start(quantize(self.loaded, calibration_ids(self.checker), self.settings.quantization))
+        self.start(quantize(self.loaded, calibration_ids(PlainEngine(self.loaded)), self.settings.quantization))
 
 
 @serve.deployment(name="SpeculativeBackend", ray_actor_options={"num_cpus": 0.5}, max_ongoing_requests=1024)

@@ -1,6 +1,6 @@
-"""A paged KV cache shared by every engine: sequences own blocks of a preallocated pool, so a
-sequence that joins, grows, is cut back (rejected drafts) or leaves never moves or recomputes
-another sequence's keys and values.
+"""A paged KV cache shared by every engine: sequences own blocks of one pool, so a sequence that
+joins, grows, is cut back (rejected drafts) or leaves never moves or recomputes another
+sequence's keys and values.
 
 Each layer keeps one key pool and one value pool of shape (tokens, kv heads, head dim), split
 into blocks of `block_tokens`; a sequence holds a block table and a length. A forward pass feeds
@@ -10,8 +10,10 @@ scratch block nobody reads) and hands attention each sequence's keys gathered in
 4-D mask that shows every real query exactly its own sequence's tokens up to itself. Positions
 are per sequence, so padding never shifts a rotary phase.
 
-Memory is bounded: the pool grows by doubling up to `max_tokens` and never past it; `reserve`
-lets a scheduler admit only what is sure to fit, so a replica never runs out of memory mid-run.
+Memory is bounded: the pool grows by doubling up to `max_tokens` and never past it (one layer
+at a time, so growing holds at most one layer's pools twice); `reserve` lets a scheduler admit
+only what is sure to fit, so the target's cache never runs out mid-run. A drafter's own cache
+holds one entry per token of the rows it drafts for, which the target's bound bounds in turn.
 """
 
 from __future__ import annotations
@@ -212,8 +214,12 @@ class PagedCache:
                 fresh[: pool.shape[0]] = pool
             return fresh
 
-        self.keys = [grown(self.keys[i] if self.keys else None) for i in range(self.layers)]
-        self.values = [grown(self.values[i] if self.values else None) for i in range(self.layers)]
+        if self.keys:
+            for i in range(self.layers):  # in place, layer by layer: the old pools go as the new arrive
+                self.keys[i], self.values[i] = grown(self.keys[i]), grown(self.values[i])
+        else:
+            self.keys = [grown(None) for _ in range(self.layers)]
+            self.values = [grown(None) for _ in range(self.layers)]
         self.free.extend(range(max(old, 1), blocks))
 
     def _plan(

@@ -184,9 +184,11 @@ class Scheduler:
         listener: TokenListener | None = None,
         drafter: str | None = None,
         on_failure: FailureListener | None = None,
+        prompt_ids: list[int] | None = None,
     ) -> Row:
-        """Queue a request (its clock starts now); `listener` hears each token as it is appended."""
-        ids = self.check(request, drafter)
+        """Queue a request (its clock starts now); `listener` hears each token as it is appended.
+        `prompt_ids`: what `check` returned for this request, so the prompt is not encoded twice."""
+        ids = prompt_ids if prompt_ids is not None else self.check(request, drafter)
         chosen = self._drafter(drafter)
         generator, seed = new_generator(request.sampling.seed)
         state = SequenceState(request, ids, self.plain.eos_ids, seed, time.perf_counter(), listener=listener)
@@ -223,14 +225,18 @@ class Scheduler:
         """Run these requests to completion (a static batch when the loop is otherwise idle);
         `listeners[i]` (optional) hears request i's tokens as they come, `drafters[i]` names the
         drafter it speculates with (default: the loop's first)."""
-        if self.costs is not None and self.k == "auto":  # probes run before any request's clock starts
+        if self.costs is not None:  # probes run before any request's clock starts
             self.costs.ensure(min(len(requests), self.settings.max_batch))
         rows = [
             self.submit(r, listener_for(listeners, i, len(requests)), drafters[i] if drafters else None)
             for i, r in enumerate(requests)
         ]
-        while not all(r.done for r in rows):
-            self.step()
+        try:
+            while not all(r.done for r in rows):
+                self.step()
+        except Exception as exc:  # a bug in the loop: leave nothing behind for the next call
+            self.abort(exc)
+            raise
         failed = next((r.error for r in rows if r.error is not None), None)
         if failed is not None:
             raise failed
@@ -288,21 +294,20 @@ class Scheduler:
         width = min(self.settings.prefill_chunk, max(len(r.state.prompt_ids) - r.computed for r in rows), budget)
         chosen = rows[: max(1, budget // width)]
         blocks = [r.state.prompt_ids[r.computed : r.computed + width] for r in chosen]
+        ready = [b for b, r in enumerate(chosen) if r.computed + len(blocks[b]) >= len(r.state.prompt_ids)]
+        done = [chosen[b] for b in ready]  # their prompt's last chunk goes in now: they sample a first token
         try:
             out = self.cache.forward([r.seq for r in chosen], blocks, keep="last")
+            params, generators = [r.draft.sampling for r in done], [r.draft.generator for r in done]
+            first = sample_tokens(out.logits[ready], params, generators).tolist() if done else []
         except Exception as exc:  # the pass failed: only the rows in it end
             self._fail_all(chosen, exc)
             return
         for row, block in zip(chosen, blocks, strict=True):
             row.computed += len(block)
         self._report_features(chosen, [len(b) for b in blocks])
-        ready = [b for b, r in enumerate(chosen) if r.prefilled]
-        if ready:
-            done = [chosen[b] for b in ready]
-            params, generators = [r.draft.sampling for r in done], [r.draft.generator for r in done]
-            first = sample_tokens(out.logits[ready], params, generators)
-            for row, token in zip(done, first.tolist(), strict=True):
-                self._emit(row, [int(token)])
+        for row, token in zip(done, first, strict=True):
+            self._emit(row, [int(token)])
 
     def _decode(self, rows: list[Row]) -> None:
         """One target pass for every running row, with drafts where they pay."""
@@ -310,9 +315,10 @@ class Scheduler:
         drafts, q, drafting = self._propose(rows, ks)
         live = [b for b, r in enumerate(rows) if not r.done]  # a drafter failure ended some rows
         rows, ks, drafts = [rows[b] for b in live], [ks[b] for b in live], [drafts[b] for b in live]
-        q = None if q is None else q[live]
         if not rows:
             return
+        if q is not None and len(live) < len(q):  # (B, K, V) is large: copy it only when rows left
+            q = q[live]
         drafted_at = time.perf_counter()
         batch, longest = len(rows), 1 + max(len(d) for d in drafts)
         width = self.costs.cheapest_width(batch, longest) if self.costs is not None and longest > 1 else longest
@@ -436,7 +442,9 @@ class Scheduler:
         if sampled:
             params = [rows[b].draft.sampling for b in sampled]
             p = target_probs(logits[sampled], params)
-            q_rows = None if q is None else q[sampled, :draft_width]
+            if q is not None and len(sampled) < len(rows):
+                q = q[sampled]
+            q_rows = None if q is None else q[:, :draft_width]
             gens = [rows[b].draft.generator for b in sampled]
             accepted[sampled], next_tokens[sampled] = accept_sampled(padded[sampled], lengths[sampled], p, q_rows, gens)
         counts = accepted.tolist()
@@ -448,9 +456,9 @@ class Scheduler:
         for drafter in self.drafters.values():
             group = [b for b, r in enumerate(rows) if r.drafter is drafter and ks[b] > 0]
             if group:
-                drafter.observe([rows[b].draft for b in group], [accepted[b] for b in group])
+                self._guarded(drafter.observe, [rows[b] for b in group], [accepted[b] for b in group])
         for row, k, d, n in zip(rows, ks, drafts, accepted, strict=True):
-            if row.outlook is not None and row.drafter is not None:
+            if row.outlook is not None and row.drafter is not None and not row.done:
                 row.outlook.observe(k, len(d), n)
                 self.outlooks[row.drafter.name].observe(k, len(d), n)
 
@@ -462,7 +470,16 @@ class Scheduler:
             group = [b for b, r in enumerate(rows) if r.drafter is drafter and not r.done]
             if group:
                 features = self.cache.features(drafter.feature_layers)
-                drafter.observe_target([rows[b].draft for b in group], [features[b, : counts[b]] for b in group])
+                # Copies: a view would keep the whole batch's features alive while a row waits to draft.
+                fed = [features[b, : counts[b]].clone() for b in group]
+                self._guarded(drafter.observe_target, [rows[b] for b in group], fed)
+
+    def _guarded(self, call: Callable[[list[DraftRow], list], None], rows: list[Row], values: list) -> None:
+        """A drafter's bookkeeping call for its rows: if it fails, those rows end, no others."""
+        try:
+            call([r.draft for r in rows], values)
+        except Exception as exc:
+            self._fail_all(rows, exc)
 
     def _record(
         self,
@@ -504,6 +521,8 @@ class Scheduler:
     # -- rows leaving -----------------------------------------------------------------------
     def _emit(self, row: Row, tokens: list[int]) -> None:
         """Append tokens one by one, stopping where the row finishes (then it leaves)."""
+        if row.done:  # it failed earlier in this step
+            return
         try:
             for token in tokens:
                 if row.state.append(token, self.tokenizer):
@@ -519,7 +538,10 @@ class Scheduler:
         if row.seq >= 0:
             self.cache.remove(row.seq)
         if row.drafter is not None:
-            row.drafter.release(row.key)
+            try:
+                row.drafter.release(row.key)
+            except Exception:  # the row is gone either way; a drafter that cannot forget it only leaks
+                log.exception("drafter %s failed to release request %d", row.drafter.name, row.key)
 
     def _fail(self, row: Row, exc: BaseException) -> None:
         log.warning("request %d failed in the step loop: %s: %s", row.key, type(exc).__name__, exc)

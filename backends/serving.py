@@ -60,7 +60,7 @@ class ServingLoop:
 
     async def stream(self, request: GenerationRequest, drafter: str | None = None) -> AsyncIterator[StreamEvent]:
         """The request's events as the loop produces them; the last carries the result."""
-        self.scheduler.check(request, drafter)  # a RequestError here is the caller's to fix
+        ids = self.scheduler.check(request, drafter)  # a RequestError here is the caller's to fix
         if self.outstanding >= self.capacity:
             raise Overloaded(
                 f"this backend is full ({self.outstanding} requests running or waiting): retry later",
@@ -80,7 +80,10 @@ class ServingLoop:
             loop.call_soon_threadsafe(inbox.put_nowait, exc)
 
         def submit() -> None:
-            ticket.row = self.scheduler.submit(request, listener, drafter, fail)
+            try:
+                ticket.row = self.scheduler.submit(request, listener, drafter, fail, prompt_ids=ids)
+            except Exception as exc:  # the caller hears why instead of waiting forever
+                fail(exc)
 
         self._post(submit)
         try:

@@ -56,12 +56,6 @@ class StepCosts:
         for w in range(1, self.max_width + 1):
             self.target_s[(bucket, w)] *= factor
 
-    def verify_costs(self, batch: int) -> list[float]:
-        """v(b, k) for k = 0..max_width-1: the cheapest pass of at least k+1 tokens (the engine pads
-        a block to that width) over a 1-token pass."""
-        step = self.seconds(batch, 1)
-        return [self.seconds(batch, self.cheapest_width(batch, k + 1)) / step for k in range(self.max_width)]
-
     def cheapest_width(self, batch: int, needed: int) -> int:
         """The cheapest pass width ≥ needed: padding a verify block costs nothing in correctness,
         and some matrix shapes run slower than wider ones."""
@@ -96,11 +90,6 @@ class DraftCosts:
 
     def _smoothed(self, old: float | None, new: float) -> float:
         return new if old is None else (1 - self.smoothing) * old + self.smoothing * new
-
-    def relative(self, batch: int, target: StepCosts) -> float | None:
-        """c: one draft step over one target step at this batch; None until measured."""
-        per_step = self.step_s.get(batch_bucket(batch))
-        return None if per_step is None else per_step / target.seconds(batch, 1)
 
 
 @dataclass

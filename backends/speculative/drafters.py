@@ -161,14 +161,14 @@ class ModelDrafter(Drafter):
 
     name = "model"
 
-    def __init__(self, model: PreTrainedModel, pad_id: int, target_vocab: int):
+    def __init__(self, model: PreTrainedModel, target_vocab: int):
         vocab = model.config.vocab_size  # a draft-vocabulary head still scores the full vocabulary
         if vocab != target_vocab:
             raise ModelLoadError(
                 f"the draft model's vocabulary ({vocab} tokens) differs from the target's ({target_vocab}): "
                 "a drafter must share the target's tokenizer"
             )
-        self.model, self.pad_id = model, pad_id
+        self.model = model
         check_full_attention(model)
         self.cache: PagedCache | None = None
         self.sequences: dict[int, _DraftSequence] = {}
@@ -189,7 +189,7 @@ class ModelDrafter(Drafter):
         return proposal
 
     def fresh(self) -> ModelDrafter:
-        drafter = ModelDrafter(self.model, self.pad_id, self.model.config.vocab_size)
+        drafter = ModelDrafter(self.model, self.model.config.vocab_size)
         drafter.name = self.name
         return drafter
 

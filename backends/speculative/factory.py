@@ -39,14 +39,13 @@ class DrafterConfig(BaseModel):
 
 
 def build_drafter(config: DrafterConfig, target: LoadedModel) -> Drafter:
-    pad_id = target.tokenizer.pad_token_id
     vocab = target.model.get_output_embeddings().weight.shape[0]
     if config.kind == "ngram":
         return NgramDrafter(max_n=config.ngram_max, min_n=config.ngram_min)
     if config.kind in TRAINED_KINDS:
         return _trained_drafter(config, target)
     if config.kind == "early-exit":
-        drafter = ModelDrafter(early_exit_model(target.model, config.exit_layer), pad_id, vocab)
+        drafter = ModelDrafter(early_exit_model(target.model, config.exit_layer), vocab)
         drafter.name = f"early-exit-{config.exit_layer}"
         return drafter
     draft = load_model(config.draft_model, dtype=config.draft_dtype, device=target.info.device)
@@ -60,7 +59,7 @@ def build_drafter(config: DrafterConfig, target: LoadedModel) -> Drafter:
             f"the draft model {config.draft_model!r} has a different tokenizer from the target: "
             "a drafter must share the target's vocabulary"
         )
-    drafter = ModelDrafter(draft.model, pad_id, vocab)
+    drafter = ModelDrafter(draft.model, vocab)
     drafter.name = f"model:{draft.info.name}@{draft.info.dtype}"
     return drafter
 
@@ -72,9 +71,8 @@ def _trained_drafter(config: DrafterConfig, target: LoadedModel) -> Drafter:
     path = resolve_weights(config.weights, kind, target.info.name)
     dtype = resolve_dtype(target.info.dtype if kind == "early-exit-adapter" else config.draft_dtype)
     trained = load_drafter(path, target.model, target.tokenizer, dtype)
-    pad_id = target.tokenizer.pad_token_id
     if kind == "eagle":
-        return EagleDrafter(trained, pad_id)
+        return EagleDrafter(trained)
     if kind == "medusa":
         return MedusaDrafter(trained)
-    return adapter_drafter(target.model, trained, pad_id)
+    return adapter_drafter(target.model, trained)

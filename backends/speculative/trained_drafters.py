@@ -43,16 +43,16 @@ class _EagleSequence:
 class EagleDrafter(Drafter):
     name = "eagle"
 
-    def __init__(self, trained: TrainedDrafter, pad_id: int):
+    def __init__(self, trained: TrainedDrafter):
         assert isinstance(trained.net, EagleNet)
-        self.trained, self.net, self.pad_id = trained, trained.net, pad_id
+        self.trained, self.net = trained, trained.net
         self.feature_layers = tuple(trained.card.layers)
         # Unbounded here: the head caches one pair per verified token, which the target's cache bounds.
         self.cache = PagedCache(self.net, max_tokens=UNBOUNDED_TOKENS)
         self.sequences: dict[int, _EagleSequence] = {}
 
     def fresh(self) -> EagleDrafter:
-        return EagleDrafter(self.trained, self.pad_id)
+        return EagleDrafter(self.trained)
 
     def observe_target(self, rows: Sequence[DraftRow], features: Sequence[torch.Tensor]) -> None:
         for row, f in zip(rows, features, strict=True):
@@ -162,7 +162,7 @@ def adapter_exit_model(target: PreTrainedModel, trained: TrainedDrafter) -> PreT
     return shallow
 
 
-def adapter_drafter(target: PreTrainedModel, trained: TrainedDrafter, pad_id: int) -> ModelDrafter:
-    drafter = ModelDrafter(adapter_exit_model(target, trained), pad_id, target.config.vocab_size)
+def adapter_drafter(target: PreTrainedModel, trained: TrainedDrafter) -> ModelDrafter:
+    drafter = ModelDrafter(adapter_exit_model(target, trained), target.config.vocab_size)
     drafter.name = "early-exit-adapter"
     return drafter

@@ -8,7 +8,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from backends.models import LoadedModel, describe
-from backends.speculative.drafters import Drafter, Proposal
+from backends.speculative.drafters import NgramDrafter, Proposal
 
 
 def tiny_model(vocab_size: int, seed: int, sharpness: float = 1.0) -> LlamaForCausalLM:
@@ -29,16 +29,34 @@ def tiny_model(vocab_size: int, seed: int, sharpness: float = 1.0) -> LlamaForCa
     return model
 
 
-class BrokenDrafter(Drafter):
-    """A drafter whose every proposal fails: its rows must end with their own error, no one else's."""
+class BrokenDrafter(NgramDrafter):
+    """Prompt lookup that fails in one of its calls (`where`): propose, observe or release. Its
+    rows must end with their own error, no one else's."""
 
     name = "broken"
 
+    def __init__(self, where: str = "propose"):
+        super().__init__()
+        self.where = where
+
     def propose(self, rows, ks) -> Proposal:
-        raise RuntimeError("drafter broke")
+        self._break("propose")
+        return super().propose(rows, ks)
+
+    def observe(self, rows, accepted) -> None:
+        self._break("observe")
+        super().observe(rows, accepted)
+
+    def release(self, key: int) -> None:
+        self._break("release")
+        super().release(key)
 
     def fresh(self) -> "BrokenDrafter":
-        return BrokenDrafter()
+        return BrokenDrafter(self.where)
+
+    def _break(self, call: str) -> None:
+        if call == self.where:
+            raise RuntimeError("drafter broke")
 
 
 def perturbed(model: LlamaForCausalLM, noise: float, seed: int) -> LlamaForCausalLM:

@@ -110,9 +110,9 @@ def _drafters(kind: str, loaded) -> list[Drafter]:
     if kind == "ngram":
         return [NgramDrafter(max_n=4, min_n=1)]
     if kind == "early-exit":
-        return [ModelDrafter(early_exit_model(loaded.model, 4), 0, vocab)]
+        return [ModelDrafter(early_exit_model(loaded.model, 4), vocab)]
     if kind == "random-model":  # almost never agrees: every step rejects, resamples and rolls back
-        return [ModelDrafter(tiny_model(vocab, seed=5), 0, vocab)]
+        return [ModelDrafter(tiny_model(vocab, seed=5), vocab)]
     if kind == "ngram+early-exit":  # two drafters in one loop, as the speculative backend runs them
         return _drafters("ngram", loaded) + _drafters("early-exit", loaded)
     return [build_drafter(DrafterConfig(kind=kind), loaded)]
@@ -226,8 +226,9 @@ def test_a_cancelled_request_leaves_at_the_next_step_and_frees_its_blocks(tiny_t
     assert len(stay.state.token_ids) == 30 and waiting.state.token_ids == []
 
 
-def test_a_failing_drafter_ends_only_its_own_requests(tiny_target):
-    scheduler = Scheduler(tiny_target, LoopSettings(), [NgramDrafter(), BrokenDrafter()], k=2)
+@pytest.mark.parametrize("where", ["propose", "observe"])
+def test_a_failing_drafter_ends_only_its_own_requests(tiny_target, where):
+    scheduler = Scheduler(tiny_target, LoopSettings(), [NgramDrafter(), BrokenDrafter(where)], k=2)
     failures = []
     good = scheduler.submit(_request(12), drafter="ngram")
     bad = scheduler.submit(_request(12), drafter="broken", on_failure=failures.append)
@@ -237,6 +238,27 @@ def test_a_failing_drafter_ends_only_its_own_requests(tiny_target):
     assert [str(e) for e in failures] == ["drafter broke"] and bad.error is failures[0]
     assert good.error is None and good.state.token_ids == plain.token_ids
     assert scheduler.cache.sequences == {}
+
+
+def test_a_drafter_that_cannot_release_a_row_costs_nobody_their_answer(tiny_target):
+    scheduler = Scheduler(tiny_target, LoopSettings(), [BrokenDrafter("release")], k=2)
+    first, second = scheduler.submit(_request(6)), scheduler.submit(_request(12))
+    plain = PlainEngine(tiny_target).generate([_request(6), _request(12)])
+    while not scheduler.idle:
+        scheduler.step()
+    assert first.error is None and second.error is None
+    assert [first.state.token_ids, second.state.token_ids] == [r.token_ids for r in plain]
+    assert scheduler.cache.sequences == {}
+
+
+def test_a_loop_that_fails_mid_generate_leaves_no_rows_behind(tiny_target, monkeypatch):
+    scheduler = _tiny_scheduler(tiny_target, LoopSettings())
+    monkeypatch.setattr(scheduler, "_decode", lambda rows: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        scheduler.generate([_request(4), _request(4)])
+    assert scheduler.idle and scheduler.cache.sequences == {}
+    monkeypatch.undo()
+    assert len(scheduler.generate([_request(4)])[0].token_ids) == 4  # the loop serves on
 
 
 def test_a_failing_listener_ends_only_its_own_request(tiny_target):
@@ -283,7 +305,7 @@ def test_sampled_rows_joining_and_leaving_keep_the_targets_distribution(tiny_tar
     """Tokens 2 and 3 of a prompt, sampled while other requests arrive at random steps and finish
     early (speculative loop, a mostly agreeing draft model): χ² against the exact joint."""
     vocab = tiny_target.model.config.vocab_size
-    drafter = ModelDrafter(perturbed(tiny_target.model, noise=0.4, seed=9), 0, vocab)
+    drafter = ModelDrafter(perturbed(tiny_target.model, noise=0.4, seed=9), vocab)
     scheduler = Scheduler(tiny_target, LoopSettings(max_batch=6), [drafter], k=2)
     prompt, others = "Once upon a time", ["A much longer prompt about something else entirely", "Hi"]
     rng = random.Random(0)
@@ -315,7 +337,7 @@ def test_a_seeded_sample_is_the_same_whatever_it_is_batched_with(tiny_target, k)
     request = GenerationRequest(prompt="Hello there", max_tokens=16, ignore_eos=True, sampling=sampling)
 
     def loop() -> Scheduler:
-        drafter = ModelDrafter(perturbed(tiny_target.model, noise=0.4, seed=9), 0, vocab)
+        drafter = ModelDrafter(perturbed(tiny_target.model, noise=0.4, seed=9), vocab)
         return Scheduler(tiny_target, LoopSettings(), [drafter], k=k)
 
     alone = loop().generate([request])[0]

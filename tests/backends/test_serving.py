@@ -100,6 +100,18 @@ def test_a_failure_reaches_only_its_own_stream(tiny_target):
     assert len(good[0][-1].result.token_ids) == 8
 
 
+def test_a_submission_that_fails_on_the_loop_thread_reaches_its_stream(tiny_target, monkeypatch):
+    loop = ServingLoop(Scheduler(tiny_target, LoopSettings()))
+
+    def broken_submit(*args, **kwargs):
+        raise RuntimeError("submit broke")
+
+    monkeypatch.setattr(loop.scheduler, "submit", broken_submit)
+    with pytest.raises(RuntimeError, match="submit broke"):
+        asyncio.run(asyncio.wait_for(_collect(loop, _request(4)), timeout=30))  # an error, never a hang
+    assert loop.outstanding == 0
+
+
 def test_a_request_the_loop_cannot_serve_is_refused_before_it_is_queued(tiny_target):
     loop = ServingLoop(Scheduler(tiny_target, LoopSettings(kv_cache_tokens=64)))
     with pytest.raises(RequestError, match="KV cache"):

@@ -35,24 +35,27 @@ def test_a_measured_pass_rescales_the_whole_curve_of_its_bucket():
     assert costs.seconds(4, 1) == pytest.approx(0.05 * factor)
     assert costs.seconds(4, 2) == pytest.approx(0.09 * factor)
     assert costs.seconds(1, 1) == pytest.approx(0.05)  # other buckets keep their own curve
-    assert costs.verify_costs(4) == pytest.approx(costs.verify_costs(1))  # the shape is the probe's
+    shape = [costs.seconds(4, w) / costs.seconds(4, 1) for w in range(1, 6)]
+    assert shape == pytest.approx([costs.seconds(1, w) / costs.seconds(1, 1) for w in range(1, 6)])  # the probe's
 
 
-def test_verify_costs_use_the_cheapest_width_the_engine_would_pad_to():
+def test_a_verify_block_is_padded_to_the_cheapest_pass_at_least_as_wide():
     costs, _ = _costs({1: 50, 2: 90, 3: 95, 4: 60, 5: 70})
     assert costs.cheapest_width(1, 2) == 4  # a 2-token pass is slower than a 4-token one here
+    assert costs.cheapest_width(1, 1) == 1
     assert costs.cheapest_width(1, 5) == 5
-    assert costs.verify_costs(1) == pytest.approx([1.0, 1.2, 1.2, 1.2, 1.4])
 
 
-def test_draft_cost_is_unknown_until_measured_then_relative_to_a_target_step():
-    costs, _ = _costs({1: 50, 2: 60})
+def test_draft_step_cost_is_unknown_until_measured_then_a_moving_average_per_bucket():
     drafts = DraftCosts()
-    assert drafts.relative(1, costs) is None
+    assert drafts.step_s == {}
     drafts.record(1, steps=4, seconds=0.02)
-    assert drafts.relative(1, costs) == pytest.approx(0.1)
+    assert drafts.step_s == {1: pytest.approx(0.005)}
     drafts.record(1, steps=0, seconds=5.0)  # nothing drafted: no evidence
-    assert drafts.relative(1, costs) == pytest.approx(0.1)
+    drafts.record(3, steps=2, seconds=0.02)
+    assert drafts.step_s == {1: pytest.approx(0.005), 4: pytest.approx(0.01)}
+    drafts.record(1, steps=1, seconds=0.015)
+    assert drafts.step_s[1] == pytest.approx(0.8 * 0.005 + 0.2 * 0.015)
 
 
 def test_catching_up_is_timed_apart_from_the_steady_draft_step():

@@ -72,7 +72,7 @@ def _greedy_continuation(model, tokens: list[int], count: int) -> list[int]:
 
 def test_model_drafter_rolls_back_to_the_accepted_prefix(tiny_target, vocab_size):
     model = tiny_target.model
-    drafter = ModelDrafter(model, pad_id=2, target_vocab=vocab_size)
+    drafter = ModelDrafter(model, target_vocab=vocab_size)
     rows = [_row([5, 6, 7, 8], [9], key=0), _row([30, 31], [32], key=1)]
     first = drafter.propose(rows, [4, 3]).tokens
     assert first == [_greedy_continuation(model, r.context(), k) for r, k in zip(rows, [4, 3], strict=True)]
@@ -86,7 +86,7 @@ def test_model_drafter_rolls_back_to_the_accepted_prefix(tiny_target, vocab_size
 
 def test_model_drafter_catches_up_rows_that_skipped_steps_or_joined_late(tiny_target, vocab_size):
     model = tiny_target.model
-    drafter = ModelDrafter(model, pad_id=2, target_vocab=vocab_size)
+    drafter = ModelDrafter(model, target_vocab=vocab_size)
     early, late = _row([5, 6, 7, 8], [9], key=0), _row([30, 31], [32], key=1)
     assert drafter.backlog(early) == 5  # never seen: its whole context is to read
     drafter.propose([early], [3])
@@ -106,7 +106,7 @@ def test_model_drafter_catches_up_rows_that_skipped_steps_or_joined_late(tiny_ta
 def test_model_drafter_refuses_a_different_vocabulary(tiny_target):
     other = tiny_model(vocab_size=1000, seed=3)
     with pytest.raises(ModelLoadError, match="vocabulary"):
-        ModelDrafter(other, pad_id=2, target_vocab=tiny_target.model.config.vocab_size)
+        ModelDrafter(other, target_vocab=tiny_target.model.config.vocab_size)
 
 
 def test_early_exit_shares_the_targets_weights_and_leaves_it_whole(tiny_target):

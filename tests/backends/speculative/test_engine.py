@@ -58,10 +58,10 @@ def _drafter(kind: str, loaded, vocab_size: int) -> Drafter:
     if kind == "ngram":
         return NgramDrafter(max_n=4, min_n=1)
     if kind == "early-exit":
-        return ModelDrafter(early_exit_model(loaded.model, 4), loaded.tokenizer.pad_token_id, vocab_size)
+        return ModelDrafter(early_exit_model(loaded.model, 4), vocab_size)
     # A tiny random model with the target's vocabulary: it almost never agrees (α ≈ 0), so every
     # step exercises rejection, resampling and cache rollback.
-    return ModelDrafter(tiny_model(vocab_size, seed=5), loaded.tokenizer.pad_token_id, vocab_size)
+    return ModelDrafter(tiny_model(vocab_size, seed=5), vocab_size)
 
 
 @pytest.mark.parametrize("k", KS)
@@ -201,7 +201,7 @@ def tiny_pair(tiny_target):
 def _tiny_engine(tiny_pair, k=2, drafter=None):
     target, draft_model = tiny_pair
     vocab = target.model.config.vocab_size
-    drafter = drafter or ModelDrafter(draft_model, target.tokenizer.pad_token_id, vocab)
+    drafter = drafter or ModelDrafter(draft_model, vocab)
     return SpeculativeEngine(target, drafter, k=k)
 
 

@@ -159,7 +159,7 @@ def tiny_eagle(tiny_target) -> TrainedDrafter:
 
 
 def test_sampling_with_eagles_q_follows_the_targets_distribution(tiny_target, tiny_eagle):
-    drafter = EagleDrafter(tiny_eagle, tiny_target.tokenizer.pad_token_id)
+    drafter = EagleDrafter(tiny_eagle)
     engine = SpeculativeEngine(tiny_target, drafter, k=2)
     prompt, other = "Once upon a time", "A much longer prompt about a completely different topic, namely"
     samples = _sample_pairs(engine, prompt, other, batches=400)
@@ -172,7 +172,7 @@ def test_sampling_with_eagles_q_follows_the_targets_distribution(tiny_target, ti
 def test_tiny_eagle_is_lossless_in_a_mixed_greedy_batch(tiny_target, tiny_eagle):
     """Rows of different lengths that finish at different steps: the features the engine reports
     stay aligned with each row's tokens (the drafter asserts it) and the output is the target's."""
-    drafter = EagleDrafter(tiny_eagle, tiny_target.tokenizer.pad_token_id)
+    drafter = EagleDrafter(tiny_eagle)
     engine = SpeculativeEngine(tiny_target, drafter, k=3)
     requests = [
         GenerationRequest(prompt="Once upon a time", max_tokens=20, ignore_eos=True),
