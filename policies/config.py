@@ -120,6 +120,10 @@ class QuantizationConfig(_Section):
         1.05, gt=0, description="Predicted speedup over the best full-precision choice required to quantize."
     )
 
+    def meets_floor(self, agreement: float) -> bool:
+        """Whether a measured token agreement is good enough to serve (the quality floor)."""
+        return agreement >= self.min_agreement
+
 
 class SLOConfig(_Section):
     ttft_ms: float | None = Field(

@@ -263,7 +263,7 @@ def _quantization_stage(
         reasons.append("quantization: the profile has no quantized backend measured")
         return choice, stage
     agreement = profile.quantized.agreement
-    if agreement < q.min_agreement:
+    if not q.meets_floor(agreement):
         reasons.append(f"quantization: quality {agreement:.1%} token agreement < floor {q.min_agreement:.1%}")
         return choice, stage
     why = _quantization_justified(choice, b, load, config)

@@ -302,8 +302,9 @@ class RouterCore:
 
     def below_quality_floor(self) -> list[str]:
         """Backends the policy may not pick for quality (the int8 backend under its agreement floor)."""
-        quantized, floor = self.profile.quantized, self.policy.quantization.min_agreement
-        return ["quantized"] if quantized is None or quantized.agreement < floor else []
+        quantized = self.profile.quantized
+        served = quantized is not None and self.policy.quantization.meets_floor(quantized.agreement)
+        return [] if served else ["quantized"]
 
     def health(self) -> dict[str, Any]:
         m = self.profile.model

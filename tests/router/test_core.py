@@ -82,3 +82,10 @@ def test_in_flight_counts_a_request_while_it_runs(tokenizer):
     events = asyncio.run(run())
     assert events[-1].result.text == "ok"
     assert pool.seen_load == [1] and router.load[routed.backend] == 0
+
+
+@pytest.mark.parametrize(("agreement", "below"), [(None, ["quantized"]), (0.90, ["quantized"]), (0.95, []), (0.99, [])])
+def test_health_names_the_backends_under_the_policys_quality_floor(tokenizer, agreement, below):
+    profile = synthetic_profile(quantized_agreement=agreement)
+    router = RouterCore(profile, PolicyConfig(), tokenizer, OnePool())
+    assert router.health()["below_quality_floor"] == below  # the default floor is 95% agreement
