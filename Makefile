@@ -24,8 +24,8 @@ install: $(STAMP)
 model: install
 	$(BIN)/specroute setup
 
-# The service on the embedded default model: profiles this machine on first start (~10 min, once),
-# then serves the OpenAI-compatible API on http://127.0.0.1:8000/v1 until Ctrl-C.
+# The service on the embedded default model: times this machine's costs on first start (~3 min here,
+# once; acceptance ships), then serves the OpenAI-compatible API on http://127.0.0.1:8000/v1 until Ctrl-C.
 run: model
 	$(BIN)/specroute serve
 
@@ -48,7 +48,7 @@ DRAFTERS := backends/speculative/defaults/smollm2-135m-instruct
 drafters: model
 	$(BIN)/specroute train-drafter --kind eagle --minutes 12 --out $(DRAFTERS)
 	$(BIN)/specroute train-drafter --kind medusa --minutes 6 --out $(DRAFTERS)
-	$(BIN)/specroute train-drafter --kind early-exit --minutes 5 --out $(DRAFTERS)
+	$(BIN)/specroute train-drafter --kind early-exit-adapter --minutes 5 --out $(DRAFTERS)
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache

@@ -29,17 +29,18 @@ from pydantic import Field
 from ray import serve
 from ray.serve.metrics import Gauge
 
+from policies.drafters import SERVED_KINDS, DrafterConfig, DrafterKind
 from policies.profile import Profile
 
-from .errors import Overloaded, RequestError
-from .generation import GenerationRequest, GenerationResult, TokenListener
+from .errors import ModelLoadError, Overloaded, RequestError
+from .generation import ChatMessage, GenerationRequest, GenerationResult, TokenListener
 from .models import LoadedModel, load_model
 from .plain import PlainEngine
-from .quantized import QuantMethod, quantize
-from .scheduler import LoopSettings, Scheduler, step_costs
+from .quantized import QuantMethod, calibration_cache, quantize
+from .scheduler import LoopSettings, Scheduler, seeded_step_costs, step_costs
 from .serving import ServingLoop
-from .speculative.control import DraftCosts
-from .speculative.factory import DrafterConfig, DrafterKind, build_drafter
+from .speculative.control import DraftCosts, StepCosts
+from .speculative.factory import build_drafter
 from .streaming import EngineQueue, StreamEvent
 
 BackendName = Literal["speculative", "plain", "quantized"]
@@ -56,11 +57,16 @@ class BackendSettings(LoopSettings):
     device: Literal["cpu", "cuda"] = "cpu"
     threads: int = Field(1, ge=1, le=256, description="torch threads per replica")
     batch_wait_ms: float = Field(20.0, ge=0, le=10_000, description="static baseline only: how long a batch waits")
-    drafters: list[DrafterKind] = Field(default_factory=lambda: ["ngram", "model"], min_length=1)
+    drafters: list[DrafterKind] = Field(default_factory=lambda: list(SERVED_KINDS), min_length=1)
     drafter: DrafterConfig = Field(default_factory=DrafterConfig, description="drafter options (kind ignored)")
     k_max: int = Field(8, ge=1, le=32, description="most tokens a speculative step drafts")
     quantization: QuantMethod = "smoothquant"
     profile: str | None = Field(None, description="profile JSON: seeds the speculative engine's step costs")
+    calibration: list[list[ChatMessage]] = Field(
+        default_factory=list,
+        description="quantized backend: the chat prompts its int8 smoothing calibrates on (the app builder "
+        "passes the prompt set's calibration half, the one the profiler did not measure quality on)",
+    )
 
 
 class _Backend:
@@ -154,7 +160,9 @@ class QuantizedBackend(_Backend):
 
     def __init__(self, settings: dict[str, Any]):
         super().__init__(settings)
-        self.start(quantize(self.loaded, calibration_ids(PlainEngine(self.loaded)), self.settings.quantization))
+        s = self.settings
+        # The profiler's run of the same calibration left its statistics in the cache: reused here.
+        self.start(quantize(self.loaded, calibration_ids(self.loaded, s), s.quantization, calibration_cache()))
 
 
 @serve.deployment(name="SpeculativeBackend", ray_actor_options={"num_cpus": 0.5}, max_ongoing_requests=1024)
@@ -167,7 +175,7 @@ class SpeculativeBackend(_Backend):
     def __init__(self, settings: dict[str, Any]):
         super().__init__(settings)
         s = self.settings
-        self.drafters = [build_drafter(s.drafter.model_copy(update={"kind": kind}), self.loaded) for kind in s.drafters]
+        self.drafters = [build_drafter(s.drafter.of(kind), self.loaded) for kind in s.drafters]
         self.names = {kind: d.name for kind, d in zip(s.drafters, self.drafters, strict=True)}
         self.costs = _seeded_costs(self.loaded, s.profile) or step_costs(self.loaded, s.k_max + 1)
         self.costs.ensure(s.max_batch)  # probe what the profile did not measure before any request's clock starts
@@ -183,12 +191,12 @@ class SpeculativeBackend(_Backend):
         return self.names.get(drafter, drafter) if drafter is not None else None
 
 
-def calibration_ids(engine: PlainEngine) -> list[list[int]]:
-    """Prompt tokens of the prompt set's calibration half (the profiler measures on the other)."""
-    from profiler.workloads import quantization_split  # the prompt set lives with the profiler
-
-    calibration, _ = quantization_split()
-    return [engine.encode(GenerationRequest(messages=p.messages, max_tokens=1)) for p in calibration]
+def calibration_ids(loaded: LoadedModel, settings: BackendSettings) -> list[list[int]]:
+    """Prompt tokens of the calibration prompts the settings carry."""
+    if not settings.calibration:
+        raise ModelLoadError("the quantized backend needs calibration prompts (settings.calibration): none given")
+    engine = PlainEngine(loaded)
+    return [engine.encode(GenerationRequest(messages=messages, max_tokens=1)) for messages in settings.calibration]
 
 
 def _seeded_draft_costs(profile: str | None, names: list[str], max_batch: int) -> dict[str, DraftCosts]:
@@ -203,10 +211,6 @@ def _seeded_draft_costs(profile: str | None, names: list[str], max_batch: int) -
     }
 
 
-def _seeded_costs(loaded: LoadedModel, profile: str | None):
+def _seeded_costs(loaded: LoadedModel, profile: str | None) -> StepCosts | None:
     """The step-cost table from the profile, so no request waits for a timing probe."""
-    if profile is None:
-        return None
-    from profiler.profiling import seeded_step_costs
-
-    return seeded_step_costs(loaded, Profile.load(Path(profile)).target)
+    return None if profile is None else seeded_step_costs(loaded, Profile.load(Path(profile)).target)

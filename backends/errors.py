@@ -1,10 +1,9 @@
-"""Errors a user can cause and fix. Each message says what to change; callers (the CLI, later
-the HTTP router) turn any `UserError` into a clear 4xx-style answer and let every other
-exception keep its traceback, since that one is a bug."""
+"""The backends' errors a user can cause and fix, all `UserError`s (`policies.errors`): the CLI
+and the HTTP router answer them with a clear 4xx-style message."""
 
+from policies.errors import UserError
 
-class UserError(ValueError):
-    """Base of every error whose message tells the user what to change."""
+__all__ = ["ModelLoadError", "ModelSetupError", "Overloaded", "RequestError", "TrainingError", "UserError"]
 
 
 class ModelLoadError(UserError):

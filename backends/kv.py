@@ -117,6 +117,11 @@ class PagedCache:
         self.free.extend(state.blocks[keep:])
         del state.blocks[keep:]
 
+    def fill(self, seq: int, count: int) -> None:
+        """`count` tokens of placeholder context (zero keys and values, no forward pass): for timing
+        passes, whose cost depends on how long the context is, never on what it holds."""
+        self._grow(seq, count)
+
     def can_reserve(self, tokens: int) -> bool:
         """Would `tokens` more fit beside every reservation already made?"""
         return self._blocks_for(tokens) <= self._unpromised_blocks()

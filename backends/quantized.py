@@ -25,16 +25,22 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import hashlib
+import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 import torch
+from safetensors.torch import load_file, save_file
 from torch import nn
 
+from .embedded import specroute_home
 from .errors import ModelLoadError
 from .models import LoadedModel
+from .speculative.trained import fingerprint
 
 QuantMethod = Literal["smoothquant", "smoothquant-fp32-down", "dynamic"]
 QUANT_METHODS: tuple[str, ...] = ("smoothquant", "smoothquant-fp32-down", "dynamic")
@@ -43,13 +49,20 @@ _MLP_IN, _DOWN = ("gate_proj", "up_proj"), "down_proj"
 _ATTN_IN = ("q_proj", "k_proj", "v_proj")
 
 
-def quantize(loaded: LoadedModel, calibration: Sequence[list[int]], method: QuantMethod = "smoothquant") -> LoadedModel:
+def quantize(
+    loaded: LoadedModel,
+    calibration: Sequence[list[int]],
+    method: QuantMethod = "smoothquant",
+    cache_dir: Path | None = None,
+) -> LoadedModel:
     """A copy of `loaded` with int8 linear layers (the original is left untouched). `calibration`:
-    token sequences whose activations set the smoothing factors."""
+    token sequences whose activations set the smoothing factors. With `cache_dir`, those
+    activation maxima (a pass over every calibration token, the slow part) are kept there, keyed
+    by the weights and the calibration tokens, so the next start of the same model reuses them."""
     _check(loaded, method, calibration)
     model = copy.deepcopy(loaded.model)
     if method != "dynamic":
-        _smooth(model, _activation_maxima(model, calibration), SMOOTHING)
+        _smooth(model, _cached_maxima(loaded, model, calibration, cache_dir), SMOOTHING)
     skip = {"lm_head"} | ({_DOWN} if method == "smoothquant-fp32-down" else set())
     qconfig = torch.ao.quantization.per_channel_dynamic_qconfig
     spec = {
@@ -88,6 +101,30 @@ def _llama_like(layer: nn.Module) -> bool:
         and all(isinstance(getattr(attn, n, None), nn.Linear) for n in _ATTN_IN)
         and all(isinstance(getattr(mlp, n, None), nn.Linear) for n in (*_MLP_IN, _DOWN))
     )
+
+
+def calibration_cache() -> Path:
+    """Where smoothing's calibration statistics are kept between runs (under SPECROUTE_HOME)."""
+    return specroute_home() / "cache"
+
+
+def _cached_maxima(
+    loaded: LoadedModel, model: nn.Module, calibration: Sequence[list[int]], cache_dir: Path | None
+) -> dict[str, torch.Tensor]:
+    if cache_dir is None:
+        return _activation_maxima(model, calibration)
+    key = hashlib.sha256()
+    key.update(fingerprint(loaded.model, loaded.tokenizer).encode())
+    key.update(json.dumps([loaded.info.dtype, list(map(list, calibration))]).encode())
+    path = cache_dir / f"activation-maxima-{key.hexdigest()[:24]}.safetensors"
+    if path.is_file():
+        return load_file(str(path))
+    maxima = _activation_maxima(model, calibration)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    staged = path.with_suffix(".tmp")
+    save_file({name: t.contiguous() for name, t in maxima.items()}, str(staged))
+    staged.replace(path)  # replicas starting together never read half a file
+    return maxima
 
 
 @torch.inference_mode()

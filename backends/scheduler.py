@@ -43,6 +43,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from policies.cost_model import RowOutlook, plan_step
+from policies.profile import CostCurve
 
 from .errors import RequestError
 from .generation import GenerationRequest, GenerationResult, SequenceState, TokenListener, listener_for
@@ -145,6 +146,8 @@ class Scheduler:
         self.plain = PlainEngine(loaded)  # prompt encoding, EOS ids and context checks are shared
         self.model, self.tokenizer = loaded.model, loaded.tokenizer
         self.drafters = {d.name: d for d in drafters}
+        if len(self.drafters) != len(drafters):  # requests name their drafter: two of one name would be one
+            raise ValueError(f"drafter names must differ (got {[d.name for d in drafters]})")
         self.default_drafter = drafters[0].name if drafters else None
         self.k, self.k_max = k, (k_max if k == "auto" else int(k))
         layers = sorted({i for d in drafters for i in d.feature_layers})
@@ -576,6 +579,16 @@ PROBE_CONTEXT = 64  # tokens per row in the step-cost probe
 PROBE_REPEATS = 3
 
 
+def seeded_step_costs(loaded: LoadedModel, curve: CostCurve) -> StepCosts:
+    """The step-cost table started from a measured curve (a profile's), so no request waits for a
+    timing probe."""
+    costs = step_costs(loaded, max_width=curve.max_width)
+    for b, row in zip(curve.batches, curve.seconds, strict=True):
+        if b & (b - 1) == 0:  # the table is keyed by power-of-two buckets
+            costs.target_s.update({(b, w): s for w, s in zip(curve.widths, row, strict=True)})
+    return costs
+
+
 @torch.inference_mode()
 def measure_step_times(
     model: torch.nn.Module,
@@ -583,11 +596,14 @@ def measure_step_times(
     widths: Sequence[int],
     context: int = PROBE_CONTEXT,
     repeats: int = PROBE_REPEATS,
+    enough_s: float | None = None,
 ) -> dict[int, float]:
-    """Best-of-`repeats` seconds of a target pass of each width (new tokens per row) over a random
-    context, through the same paged cache the step loop uses. The repeats go round all widths in
-    turn, so a slow spell on a busy machine spoils one round of every width rather than every try
-    of one width."""
+    """Best-of-`repeats` seconds of a target pass of each width (new tokens per row) over `context`
+    cached tokens per row, through the same paged cache the step loop uses. The context is
+    placeholder keys and values (a pass costs the same whatever they hold), so no prefill is paid
+    for it. The repeats go round all widths in turn, so a slow spell on a busy machine spoils one
+    round of every width rather than every try of one width; with `enough_s`, rounds stop after
+    two once they have taken that long."""
     cache = PagedCache(model, batch * (context + max(widths) + BLOCK_TOKENS))
     seqs = [cache.add() for _ in range(batch)]
     generator = torch.Generator().manual_seed(0)
@@ -596,18 +612,22 @@ def measure_step_times(
     def tokens(width: int) -> list[list[int]]:
         return torch.randint(0, vocab, (batch, width), generator=generator).tolist()
 
-    cache.last_logits(seqs, tokens(context))
+    for seq in seqs:
+        cache.fill(seq, context)
     # One untimed pass first: a dtype's first kernels can carry one-off set-up costs (bf16 on CPU).
     float(cache.logits(seqs, tokens(1))[0, -1, 0])
     for seq in seqs:
         cache.truncate(seq, context)
     seconds = dict.fromkeys(widths, float("inf"))
-    for _ in range(repeats):
+    started = time.perf_counter()
+    for round_ in range(repeats):
+        if round_ >= 2 and enough_s is not None and time.perf_counter() - started > enough_s:
+            break  # passes this long vary little: two rounds are the best of enough
         for width in widths:
             block = tokens(width)
-            started = time.perf_counter()
+            begun = time.perf_counter()
             float(cache.logits(seqs, block)[0, -1, 0])  # reading a value waits for an asynchronous device
-            seconds[width] = min(seconds[width], time.perf_counter() - started)
+            seconds[width] = min(seconds[width], time.perf_counter() - begun)
             for seq in seqs:
                 cache.truncate(seq, context)
     return seconds

@@ -19,14 +19,15 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic_core import ErrorDetails, PydanticCustomError
 
-Drafter = Literal["ngram", "model", "early-exit", "eagle", "medusa", "early-exit-adapter"]
+from .drafters import KINDS, SERVED_KINDS, DrafterKind
+from .errors import UserError
 
 # Errors raised by our own validators carry this type: their message is already complete, and a
 # rule spanning several fields names them in ctx["path"] because its pydantic loc is the parent.
 _RULE = "policy_rule"
 
 
-class PolicyError(ValueError):
+class PolicyError(UserError):
     """A policy that cannot be used; the message lists every problem, one per line."""
 
     def __init__(self, source: str, problems: Iterable[str]) -> None:
@@ -47,10 +48,9 @@ class _Section(BaseModel):
 
 class SpeculationConfig(_Section):
     enabled: bool = Field(True, description="Allow the speculative-decoding backend at all.")
-    drafters: list[Drafter] = Field(
-        default_factory=lambda: ["ngram", "model"],
-        description="Drafters the policy may choose between (ngram, model, early-exit, eagle, medusa, "
-        "early-exit-adapter); each must be profiled.",
+    drafters: list[DrafterKind] = Field(
+        default_factory=lambda: list(SERVED_KINDS),
+        description=f"Drafters the policy may choose between ({', '.join(KINDS)}); each must be profiled.",
     )
     k_min: int = Field(1, ge=1, description="Fewest draft tokens per verification step the policy may pick.")
     k_max: int = Field(8, ge=1, le=32, description="Most draft tokens per verification step the policy may pick.")

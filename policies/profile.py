@@ -16,10 +16,13 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from .drafters import DrafterKind
+from .errors import UserError
+
 PROFILE_VERSION = 1
 
 
-class ProfileError(ValueError):
+class ProfileError(UserError):
     """A profile that cannot be used: missing, unreadable, another version, or lacking a measurement."""
 
 
@@ -91,7 +94,7 @@ class DrafterProfile(_Frozen):
     """One drafter's cost: seconds per sequential draft step by batch (c = that over a target step)."""
 
     name: str = Field(description="the engine's drafter name, e.g. 'ngram' or 'model:SmolLM2-135M-Instruct@bfloat16'")
-    kind: Literal["ngram", "model", "early-exit", "eagle", "medusa", "early-exit-adapter"]
+    kind: DrafterKind
     batches: list[int] = Field(min_length=1)
     step_seconds: list[float] = Field(min_length=1, description="one draft step (one token per sequence)")
     probed_seconds: list[float] | None = Field(None, description="a bare forward pass of the draft model, by batch")
@@ -188,6 +191,52 @@ class ModelSummary(_Frozen):
     parameters: int
     weight_bytes: int
     threads: int
+    fingerprint: str | None = Field(None, description="the weights' fingerprint (what shipped acceptance is tied to)")
+
+
+class DrafterName(_Frozen):
+    name: str = Field(description="the engine's name for it")
+    kind: DrafterKind
+
+
+class ShippedQuality(_Frozen):
+    """The int8 model's agreement with the full-precision target: a property of the two models."""
+
+    method: str
+    agreement: float = Field(ge=0, le=1)
+    perplexity_delta: float | None = None
+
+
+class AcceptanceSeed(_Frozen):
+    """The machine-independent half of a profile, shipped with specroute for the embedded default
+    so that a first start measures only this machine's cost curves: greedy acceptance (α and ρ per
+    category, drafter and prompt) and the int8 model's agreement. Greedy tokens in float32 depend
+    on the model and drafter, not on the machine (another CPU's kernels can flip a near-tie, rarely),
+    so these are used only for the model whose fingerprint they carry, in float32, and the service
+    keeps refining α online as it always does."""
+
+    version: Literal[1] = PROFILE_VERSION
+    created: datetime
+    model: str = Field(description="the target's name")
+    fingerprint: str = Field(description="the target's fingerprint (backends.speculative.trained.fingerprint)")
+    dtype: Literal["float32"] = "float32"
+    machine: dict[str, str | int | float | None] = Field(description="where it was measured")
+    libraries: dict[str, str]
+    settings: dict[str, object] = Field(description="the acceptance settings it was measured with")
+    drafters: list[DrafterName] = Field(min_length=1)
+    acceptance: list[AcceptanceProfile] = Field(min_length=1)
+    samples: list[AcceptanceSample] = Field(default_factory=list)
+    quality: ShippedQuality | None = None
+
+    def save(self, path: Path) -> None:
+        _write(path, self.model_dump_json(indent=1))
+
+    @classmethod
+    def load(cls, path: Path) -> AcceptanceSeed:
+        try:
+            return cls.model_validate_json(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, ValidationError) as exc:
+            raise ProfileError(f"cannot use the shipped acceptance {path}: {exc}") from None
 
 
 class Profile(_Frozen):
@@ -204,6 +253,9 @@ class Profile(_Frozen):
     samples: list[AcceptanceSample] = Field(default_factory=list)
     predictor: list[PredictorScore] = Field(default_factory=list)
     quantized: QuantizedProfile | None = None
+    acceptance_source: str = Field(
+        "measured", description="'measured' here, or where the shipped acceptance (AcceptanceSeed) came from"
+    )
 
     @model_validator(mode="after")
     def _usable_target(self) -> Profile:
@@ -242,10 +294,7 @@ class Profile(_Frozen):
         return sorted({a.category for a in self.acceptance})
 
     def save(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        staged = path.with_suffix(path.suffix + ".tmp")
-        staged.write_text(self.model_dump_json(indent=1), encoding="utf-8")
-        staged.replace(path)  # a reader never sees half a profile
+        _write(path, self.model_dump_json(indent=1))
 
     @classmethod
     def load(cls, path: Path) -> Profile:
@@ -262,3 +311,10 @@ class Profile(_Frozen):
                     f"{PROFILE_VERSION}): measure a new one with `specroute profile`"
                 ) from None
             raise ProfileError(f"{path} is not a valid profile: {exc}") from None
+
+
+def _write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staged = path.with_suffix(path.suffix + ".tmp")
+    staged.write_text(text, encoding="utf-8")
+    staged.replace(path)  # a reader never sees half a file

@@ -26,15 +26,17 @@ from tqdm import tqdm
 from backends.generation import GenerationRequest, GenerationResult
 from backends.models import load_model
 from backends.plain import PlainEngine
+from backends.scheduler import seeded_step_costs
 from backends.speculative.engine import SpeculativeEngine
-from backends.speculative.factory import DrafterConfig, DrafterKind, build_drafter
+from backends.speculative.factory import build_drafter
 from backends.speculative.stats import SpeculationStats
 from policies.cost_model import break_even_concurrency, speedup
+from policies.drafters import KINDS, DrafterConfig, DrafterKind
 from policies.estimates import ProfileCosts
 from policies.profile import Profile, ProfileError
 
 from .hardware import MachineInfo, machine_info
-from .profiling import default_profile_path, seeded_step_costs
+from .profiling import default_profile_path
 from .settings import ModelSettings
 from .workloads import check_categories, load_prompt_set
 
@@ -43,7 +45,7 @@ PLAIN = "plain"
 
 class ModelFitConfig(ModelSettings):
     profile: str | None = Field(None, description="profile path (default: this model's under SPECROUTE_HOME)")
-    drafter: DrafterKind = "ngram"
+    drafter: DrafterKind = KINDS[0]
     drafter_options: DrafterConfig = Field(default_factory=DrafterConfig)
     categories: list[str] | None = None
     ks: list[int] = Field(default_factory=lambda: [1, 2, 4, 8], min_length=1)
@@ -111,7 +113,7 @@ def run_model_fit(config: ModelFitConfig, progress: bool = True) -> ModelFitRepo
     costs = seeded_step_costs(loaded, profile.target)
     if max(config.ks) + 1 > costs.max_width:
         raise ProfileError(f"the profile measured passes up to {costs.max_width} tokens: k ≤ {costs.max_width - 1}")
-    drafter = build_drafter(config.drafter_options.model_copy(update={"kind": config.drafter}), loaded)
+    drafter = build_drafter(config.drafter_options.of(config.drafter), loaded)
     prompt_set = load_prompt_set()
     categories = config.categories or list(prompt_set.categories)
     for category in categories:  # every prediction input must exist before anything is timed

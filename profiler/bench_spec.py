@@ -23,8 +23,9 @@ from backends.plain import PlainEngine
 from backends.speculative.control import StepCosts
 from backends.speculative.drafters import ModelDrafter
 from backends.speculative.engine import SpeculativeEngine, step_costs
-from backends.speculative.factory import DrafterConfig, DrafterKind, build_drafter
+from backends.speculative.factory import build_drafter
 from backends.speculative.stats import SpeculationStats
+from policies.drafters import BENCHED_KINDS, DrafterConfig, DrafterKind, spec
 
 from .hardware import MachineInfo, machine_info
 from .settings import ModelSettings
@@ -37,9 +38,7 @@ class BenchSpecConfig(ModelSettings):
     max_tokens: int = Field(96, ge=2, le=2048, description="upper bound per request; EOS ends a request earlier")
     categories: list[str] | None = Field(None, description="default: every category of the prompt set")
     prompts_per_category: int = Field(3, ge=1)
-    drafters: list[DrafterKind] = Field(
-        default_factory=lambda: ["ngram", "model", "eagle", "medusa", "early-exit-adapter"], min_length=1
-    )
+    drafters: list[DrafterKind] = Field(default_factory=lambda: list(BENCHED_KINDS), min_length=1)
     fixed_k: int = Field(4, ge=1, le=32)
     k_max: int = Field(8, ge=1, le=32)
     drafter: DrafterConfig = Field(default_factory=DrafterConfig, description="drafter options (kind is ignored)")
@@ -121,22 +120,23 @@ def _runners(config: BenchSpecConfig, loaded: LoadedModel) -> tuple[dict[str, Ru
     runners: dict[str, Runner] = {PLAIN: lambda r: plain.generate([r])[0]}
     pairs: dict[str, str] = {}
     for kind in config.drafters:
-        drafter = build_drafter(config.drafter.model_copy(update={"kind": kind}), loaded)
+        drafter = build_drafter(config.drafter.of(kind), loaded)
         for k in (config.fixed_k, "auto"):  # a fresh drafter per engine, sharing any draft model
             engine = SpeculativeEngine(loaded, drafter.fresh(), k=k, k_max=config.k_max, costs=costs)
             runners[f"{kind} k={k}"] = _engine_runner(engine)
         if not config.transformers:
             continue
-        if kind == "ngram":
+        baseline = spec(kind).baseline
+        if baseline == "prompt_lookup":
             runners["transformers prompt lookup"] = _hf_runner(
                 plain, loaded, prompt_lookup_num_tokens=config.hf_prompt_lookup_tokens
             )
-            pairs["ngram k=auto"] = "transformers prompt lookup"
-        if kind == "model":
+            pairs[f"{kind} k=auto"] = "transformers prompt lookup"
+        if baseline == "assistant":
             draft = engine.drafter
             assert isinstance(draft, ModelDrafter)
             runners["transformers assisted"] = _hf_runner(plain, loaded, assistant_model=draft.model)
-            pairs["model k=auto"] = "transformers assisted"
+            pairs[f"{kind} k=auto"] = "transformers assisted"
     return runners, pairs, costs
 
 

@@ -13,9 +13,9 @@ by exact leave-one-out error at no extra cost. Inputs are clipped to the range s
 so a prompt far outside it (say 20x longer) cannot extrapolate without bound, and outputs are
 clipped to [0, 1].
 
-Drafters are named as the engine names them ("ngram", "model:SmolLM2-135M-Instruct@bfloat16",
-"early-exit-4"); lookups accept the full name or its kind ("ngram", "model", "early-exit") when
-exactly one fitted drafter has that kind.
+Drafters are named as the engine names them (`policies.drafters.drafter_name`); lookups accept
+the full name or its kind (`policies.drafters.kind_of`) when exactly one fitted drafter has that
+kind.
 
 No torch, transformers or ray: the router loads this in its own process.
 """
@@ -35,6 +35,7 @@ from sklearn.model_selection import KFold
 from sklearn.pipeline import Pipeline
 from sklearn.preprocessing import StandardScaler
 
+from policies.drafters import kind_of
 from policies.profile import AcceptanceSample, PredictorScore, Profile, ProfileError
 from profiler.features import prompt_features
 
@@ -53,8 +54,6 @@ def as_target(samples: Sequence[AcceptanceSample], target: Target) -> list[Accep
     ]
 
 
-# Longest prefix first: "early-exit-adapter" is not an "early-exit-<layers>".
-DRAFTER_KINDS = ("ngram", "model", "early-exit-adapter", "early-exit", "eagle", "medusa")
 ANY_CATEGORY = "*"
 # Below this many prompts a drafter gets its weighted mean α: a regression would fit noise.
 MIN_SAMPLES_TO_REGRESS = 6
@@ -77,15 +76,6 @@ class AlphaEstimate(BaseModel):
     correction: float = Field(description="online correction added to model_alpha")
     observations: float = Field(ge=0, description="decayed judged tokens of online evidence behind the correction")
     source: str = Field(description="human-readable: which model and which correction")
-
-
-def drafter_kind(name: str) -> str:
-    """'model' for 'model:SmolLM2-135M-Instruct@bfloat16', 'early-exit' for 'early-exit-4', ...;
-    a name of no known kind is its own kind."""
-    for kind in DRAFTER_KINDS:
-        if name == kind or name.startswith((kind + ":", kind + "-")):
-            return kind
-    return name
 
 
 @dataclass(frozen=True)
@@ -239,7 +229,7 @@ class AlphaPredictor:
     def _model(self, drafter: str) -> _DrafterModel:
         if drafter in self._models:
             return self._models[drafter]
-        matches = [name for name in self._models if drafter_kind(name) == drafter]
+        matches = [name for name in self._models if kind_of(name) == drafter]
         if len(matches) == 1:
             return self._models[matches[0]]
         if matches:

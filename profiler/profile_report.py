@@ -15,6 +15,7 @@ def render_profile(profile: Profile, threshold: float = COMPUTE_BOUND) -> str:
     lines = [
         f"specroute profile — {m.name} ({m.dtype}, {m.device}, {m.threads} threads) on {profile.machine.get('cpu')}, "
         f"measured {profile.created:%Y-%m-%d %H:%M} UTC",
+        f"acceptance: {profile.acceptance_source}",
         "",
         *_target_table(profile),
         "",
@@ -104,8 +105,8 @@ def _drafters(profile: Profile) -> list[str]:
         lines.append(f"  {d.name:40}" + "".join(f"{costs.draft_cost(d, b):7.3f}" for b in batches))
     calibrated = [d for d in profile.drafters if d.probed_seconds is not None]
     lines += [
-        f"  ({d.name}: drafting in the acceptance runs cost {d.calibration:.2f}× a bare forward pass of the draft "
-        "model; the curve above includes that)"
+        f"  ({d.name}: drafting in real speculative runs cost {d.calibration:.2f}× a bare forward pass of the "
+        "draft model; the curve above includes that)"
         for d in calibrated
     ]
     return lines

@@ -1,41 +1,57 @@
 """`specroute profile`: measure, on this machine, everything the policy decides with — the target's
 pass time t(b, n) by batch and new tokens per sequence, prefill time by prompt length, each
 drafter's step cost, acceptance per prompt category and drafter — fit the α predictor from the
-per-prompt acceptance, cross-validate it, and write the versioned profile (JSON)."""
+per-prompt acceptance, cross-validate it, and write the versioned profile (JSON).
+
+Acceptance and the int8 model's agreement belong to the model and drafter, not to the machine.
+For the embedded default they ship with specroute (`profiler/defaults/`, written by
+`specroute profile --ship-acceptance`): a profile then measures only the machine's costs, which
+takes minutes rather than a quarter of an hour. Any other model, dtype or acceptance setting is
+measured in full."""
 
 from __future__ import annotations
 
+import os
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from datetime import UTC, datetime
 from importlib.metadata import version
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import torch
 from pydantic import Field, field_validator, model_validator
 from tqdm import tqdm
 
-from backends.embedded import specroute_home
+from backends.embedded import EMBEDDED_NAME, specroute_home
 from backends.generation import GenerationRequest, GenerationResult
 from backends.kv import PagedCache
 from backends.models import LoadedModel, load_model
 from backends.plain import PlainEngine
-from backends.quantized import QuantMethod, measure_quality, quantize
+from backends.quantized import QuantMethod, calibration_cache, measure_quality, quantize
+from backends.scheduler import seeded_step_costs
 from backends.speculative.control import StepCosts
 from backends.speculative.drafters import Drafter, ModelDrafter
-from backends.speculative.engine import K_LIMIT, SpeculativeEngine, measure_step_times, step_costs
-from backends.speculative.factory import DrafterConfig, DrafterKind, build_drafter
+from backends.speculative.engine import K_LIMIT, SpeculativeEngine, measure_step_times
+from backends.speculative.factory import build_drafter
 from backends.speculative.stats import SpeculationStats
+from backends.speculative.trained import fingerprint
+from policies.drafters import SERVED_KINDS, DrafterConfig, DrafterKind, spec
 from policies.profile import (
     AcceptanceProfile,
     AcceptanceSample,
+    AcceptanceSeed,
     CostCurve,
+    DrafterName,
     DrafterProfile,
     ModelSummary,
     Profile,
+    ProfileError,
     QuantizedProfile,
+    ShippedQuality,
 )
 
 from .hardware import machine_info
@@ -44,6 +60,12 @@ from .settings import ModelSettings
 from .workloads import WorkloadPrompt, check_categories, load_prompt_set, quantization_split
 
 PREFILL_REPEATS = 3
+PREFILL_ENOUGH_S = 3.0
+SEEDS_DIR = Path(__file__).parent / "defaults"
+# What the shipped acceptance must have been measured with to stand in for a measurement now.
+SEED_SETTINGS = ("acceptance_k", "max_tokens", "categories", "prompts_per_category")
+TIMING_PROMPTS = 2  # per category, in the short run that times each drafter when acceptance ships
+TIMING_TOKENS = 24
 
 
 class ProfileConfig(ModelSettings):
@@ -53,8 +75,11 @@ class ProfileConfig(ModelSettings):
         192, ge=1, le=4096, description="tokens already in every sequence's cache while passes are timed"
     )
     repeats: int = Field(5, ge=1, le=50, description="timed tries per pass (the fastest counts)")
+    enough_s: float = Field(
+        3.0, ge=0, description="a batch's tries stop after two once they took this long (big passes vary little)"
+    )
     prefill_lengths: list[int] = Field(default_factory=lambda: [16, 64, 256, 1024], min_length=1)
-    drafters: list[DrafterKind] = Field(default_factory=lambda: ["ngram", "model"])
+    drafters: list[DrafterKind] = Field(default_factory=lambda: list(SERVED_KINDS))
     drafter: DrafterConfig = Field(default_factory=DrafterConfig, description="drafter options (kind is ignored)")
     acceptance_k: int = Field(8, ge=1, description="k every drafter runs at while its acceptance is measured")
     max_tokens: int = Field(64, ge=2, le=2048)
@@ -63,6 +88,11 @@ class ProfileConfig(ModelSettings):
     folds: int = Field(5, ge=2)
     quantization: QuantMethod | None = Field("smoothquant", description="int8 method to measure; null: none")
     quality_tokens: int = Field(32, ge=1, le=512, description="greedy tokens per prompt the int8 agreement reads")
+    acceptance: Literal["auto", "measure", "shipped"] = Field(
+        "auto",
+        description="auto: use the acceptance shipped for this model when it fits these settings, else measure; "
+        "measure: always measure; shipped: refuse unless the shipped acceptance fits",
+    )
 
     _known_categories = field_validator("categories")(check_categories)
 
@@ -77,26 +107,42 @@ class ProfileConfig(ModelSettings):
         return self
 
 
+def batches_up_to(largest: int) -> list[int]:
+    """Powers of two from 1 up to the first that reaches `largest` (two at least)."""
+    batches = [1, 2]
+    while batches[-1] < largest:
+        batches.append(batches[-1] * 2)
+    return batches
+
+
 def default_profile_path(model: str = "embedded", dtype: str = "float32", device: str = "cpu") -> Path:
     """One profile per model, dtype and device under SPECROUTE_HOME (default ~/.cache/specroute)."""
     slug = re.sub(r"[^A-Za-z0-9._-]+", "_", model.strip("/")).strip("_") or "model"
     return specroute_home() / "profiles" / f"{slug}-{dtype}-{device}.json"
 
 
-def run_profile(config: ProfileConfig, progress: bool = True) -> Profile:
+def run_profile(config: ProfileConfig, progress: bool = True, log: Callable[[str], None] = print) -> Profile:
     loaded = load_model(config.model, dtype=config.dtype, device=config.device, threads=config.threads)
+    seed = usable_seed(loaded, config, log)
     widths = list(range(1, config.max_width + 1))
     target = measure_curve(loaded, config, widths, "target t(b, n)", progress)
     prefill = measure_prefill(loaded, config.prefill_lengths, progress)
     costs = seeded_step_costs(loaded, target)
-    drafters, acceptance, samples = [], [], []
+    drafters, acceptance, samples, shipped = [], [], [], []
     for kind in config.drafters:
-        drafter = build_drafter(config.drafter.model_copy(update={"kind": kind}), loaded)
-        measured, prompt_samples, in_run = measure_acceptance(loaded, drafter, costs, config, progress)
+        drafter = build_drafter(config.drafter.of(kind), loaded)
+        if seed is not None and seed_fits(seed, config, kind, drafter.name):
+            measured, prompt_samples, in_run = timed_seed(loaded, drafter, costs, config, seed, progress)
+            shipped.append(drafter.name)
+        else:
+            measured, prompt_samples, in_run = measure_acceptance(loaded, drafter, costs, config, progress)
         acceptance += measured
         samples += prompt_samples
         drafters.append(drafter_profile(loaded, drafter, kind, config, in_run, progress))
-    quantized = measure_quantized(loaded, config, config.quantization, progress) if config.quantization else None
+    quality = _shipped_quality(seed, config)
+    quantized = (
+        measure_quantized(loaded, config, config.quantization, progress, quality) if config.quantization else None
+    )
     return Profile(
         created=datetime.now(UTC),
         machine=machine_info().model_dump(),
@@ -110,18 +156,157 @@ def run_profile(config: ProfileConfig, progress: bool = True) -> Profile:
         samples=samples,
         predictor=[s for t in ("alpha", "proposal_rate") for s in cross_validate(samples, config.folds, target=t)],
         quantized=quantized,
+        acceptance_source=_source(seed, shipped, quality),
     )
 
 
+def _shipped_quality(seed: AcceptanceSeed | None, config: ProfileConfig) -> ShippedQuality | None:
+    """The seed's int8 agreement, if it was measured the way this profile would measure it."""
+    if seed is None or seed.quality is None or seed.quality.method != config.quantization:
+        return None
+    return seed.quality if seed.settings.get("quality_tokens") == config.quality_tokens else None
+
+
+def _source(seed: AcceptanceSeed | None, shipped: list[str], quality: ShippedQuality | None) -> str:
+    if seed is None or not (shipped or quality):
+        return "measured"
+    parts = ([f"acceptance of {', '.join(shipped)}"] if shipped else []) + (["int8 agreement"] if quality else [])
+    where = seed.machine.get("cpu") or "another machine"
+    return f"shipped with specroute: {' and '.join(parts)}, measured {seed.created:%Y-%m-%d} on {where}"
+
+
+@contextmanager
+def all_cores() -> Iterator[None]:
+    """Every core for untimed work; the threads the timings are measured with come back after."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(threads, os.cpu_count() or 1))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def seed_path(model_name: str, folder: Path | None = None) -> Path:
+    """Where the acceptance shipped for a model lives (in the package unless `folder` says otherwise)."""
+    return (folder or SEEDS_DIR) / f"{model_name.lower()}.json"
+
+
+def usable_seed(loaded: LoadedModel, config: ProfileConfig, log: Callable[[str], None]) -> AcceptanceSeed | None:
+    """The shipped acceptance for this model if it may stand in for measuring (see `_seed_problem`);
+    None means measure. `acceptance: shipped` turns a misfit into an error."""
+    if config.acceptance == "measure":
+        return None
+    path = seed_path(loaded.info.name)
+    seed = AcceptanceSeed.load(path) if path.is_file() else None
+    problem = _seed_problem(seed, loaded, config)
+    if problem is None:
+        log(f"acceptance ships for {loaded.info.name}: measuring only this machine's costs ({path})")
+        return seed
+    if config.acceptance == "shipped":
+        raise ProfileError(f"cannot use shipped acceptance: {problem} (profile with --acceptance measure)")
+    log(f"measuring acceptance too: {problem}")
+    return None
+
+
+def _seed_problem(seed: AcceptanceSeed | None, loaded: LoadedModel, config: ProfileConfig) -> str | None:
+    if seed is None:
+        return f"none ships for {loaded.info.name}"
+    if loaded.info.dtype != seed.dtype:
+        return f"it was measured in {seed.dtype}, the target runs in {loaded.info.dtype}"
+    if seed.fingerprint != fingerprint(loaded.model, loaded.tokenizer):
+        return f"it was measured on another {seed.model} (the weights' fingerprint differs)"
+    asked = config.model_dump(mode="json")
+    differ = [name for name in SEED_SETTINGS if seed.settings.get(name) != asked[name]]
+    if differ:
+        return f"it was measured with other {', '.join(differ)}"
+    return None
+
+
+def seed_fits(seed: AcceptanceSeed, config: ProfileConfig, kind: str, name: str) -> bool:
+    """The seed holds this drafter, built with the same options."""
+    shipped = seed.settings.get("drafter")
+    asked = config.drafter.model_dump(mode="json")
+    same = isinstance(shipped, dict) and all(shipped.get(o) == asked[o] for o in spec(kind).options)
+    return same and any(d.name == name for d in seed.drafters)
+
+
+def timed_seed(
+    loaded: LoadedModel,
+    drafter: Drafter,
+    costs: StepCosts,
+    config: ProfileConfig,
+    seed: AcceptanceSeed,
+    progress: bool,
+) -> tuple[list[AcceptanceProfile], list[AcceptanceSample], dict[int, float]]:
+    """The shipped acceptance of one drafter, with what drafting costs on this machine measured in
+    a short run (a few prompts per category, one batch): its in-run step cost by batch bucket and
+    γ, which replaces the shipped runs' γ (that one was timed elsewhere)."""
+    engine = SpeculativeEngine(loaded, drafter, k=config.acceptance_k, costs=costs)
+    prompt_set = load_prompt_set()
+    prompts = [
+        p
+        for c in config.categories or list(prompt_set.categories)
+        for p in prompt_set.categories[c].prompts[:TIMING_PROMPTS]
+    ]
+    requests = [GenerationRequest(messages=p.messages, max_tokens=TIMING_TOKENS) for p in prompts]
+    with tqdm(total=1, desc=f"draft timing {drafter.name}", unit="run", disable=not progress) as bar:
+        results = engine.generate(requests)
+        bar.update()
+    stats = SpeculationStats.combined([r.speculation for r in results if r.speculation is not None])
+    measured = [a.model_copy(update={"gamma": stats.gamma}) for a in seed.acceptance if a.drafter == drafter.name]
+    samples = [s for s in seed.samples if s.drafter == drafter.name]
+    return measured, samples, _in_run_costs(engine)
+
+
+def write_seed(profile: Profile, path: Path | None = None) -> Path:
+    """The machine-independent half of a fully measured float32 profile of the embedded default,
+    as the acceptance that ships with specroute."""
+    model = profile.model
+    if model.name != EMBEDDED_NAME or model.dtype != "float32" or model.fingerprint is None:
+        raise ProfileError(
+            f"acceptance ships only for the embedded default in float32 (this is {model.name} in "
+            f"{model.dtype}): any other model is profiled in full on its machine"
+        )
+    if profile.acceptance_source != "measured":
+        raise ProfileError("--ship-acceptance needs acceptance measured in this run: add --acceptance measure")
+    q = profile.quantized
+    seed = AcceptanceSeed(
+        created=profile.created,
+        model=model.name,
+        fingerprint=model.fingerprint,
+        machine=profile.machine,
+        libraries=profile.libraries,
+        settings={k: profile.settings[k] for k in (*SEED_SETTINGS, "drafter", "quality_tokens")},
+        drafters=[DrafterName(name=d.name, kind=d.kind) for d in profile.drafters],
+        acceptance=list(profile.acceptance),
+        samples=list(profile.samples),
+        quality=ShippedQuality(method=q.method, agreement=q.agreement, perplexity_delta=q.perplexity_delta)
+        if q
+        else None,
+    )
+    target = path or seed_path(model.name)
+    seed.save(target)
+    return target
+
+
 def measure_quantized(
-    loaded: LoadedModel, config: ProfileConfig, method: QuantMethod, progress: bool
+    loaded: LoadedModel,
+    config: ProfileConfig,
+    method: QuantMethod,
+    progress: bool,
+    shipped: ShippedQuality | None = None,
 ) -> QuantizedProfile:
     """The int8 backend as it will be served: smoothed on one half of the prompt set, its 1-token
-    pass timed like the target's, its quality measured on the other half."""
+    pass timed like the target's, its quality measured on the other half (or shipped)."""
     calibration, evaluation = quantization_split()
     engine = PlainEngine(loaded)
-    int8 = quantize(loaded, [engine.encode(_request(p, 1)) for p in calibration], method)
+    with all_cores():  # an untimed pass over every calibration token: no reason to leave a core idle
+        int8 = quantize(loaded, [engine.encode(_request(p, 1)) for p in calibration], method, calibration_cache())
     curve = measure_curve(int8, config, [1], f"int8 {method} t(b, 1)", progress)
+    if shipped is not None:
+        return QuantizedProfile(
+            method=method, curve=curve, agreement=shipped.agreement, perplexity_delta=shipped.perplexity_delta
+        )
     requests = [_request(p, config.quality_tokens) for p in evaluation]
     answers = engine.generate(requests)
     sequences = [engine.encode(r) + a.token_ids for r, a in zip(requests, answers, strict=True)]
@@ -142,7 +327,7 @@ def measure_curve(
     """Fastest of `repeats` pass times for every batch × width, `context_tokens` cached per sequence."""
     context, repeats = config.context_tokens, config.repeats
     rows = [
-        list(measure_step_times(loaded.model, b, widths, context, repeats).values())
+        list(measure_step_times(loaded.model, b, widths, context, repeats, config.enough_s).values())
         for b in tqdm(config.batches, desc=label, unit="batch", disable=not progress)
     ]
     return CostCurve(batches=list(config.batches), widths=list(widths), seconds=rows)
@@ -150,30 +335,25 @@ def measure_curve(
 
 @torch.inference_mode()
 def measure_prefill(loaded: LoadedModel, lengths: Sequence[int], progress: bool) -> CostCurve:
-    """Best-of-3 prefill seconds of one prompt of each length: the time to first token."""
+    """Best-of-3 prefill seconds of one prompt of each length (best of 2 for long ones): the time to
+    first token."""
     model = loaded.model
     vocab = model.get_output_embeddings().weight.shape[0]
     generator = torch.Generator().manual_seed(0)
     seconds = []
     for length in tqdm(lengths, desc="prefill", unit="length", disable=not progress):
-        best = float("inf")
-        for _ in range(PREFILL_REPEATS):
+        best, spent = float("inf"), 0.0
+        for attempt in range(PREFILL_REPEATS):
+            if attempt >= 2 and spent > PREFILL_ENOUGH_S:
+                break  # a long prompt's prefill varies little: the best of two will do
             prompt = torch.randint(0, vocab, (1, length), generator=generator).tolist()
             started = time.perf_counter()
             cache = PagedCache(model, length)
             float(cache.last_logits([cache.add()], prompt)[0, 0])  # reading a value waits for the device
             best = min(best, time.perf_counter() - started)
+            spent += time.perf_counter() - started
         seconds.append(best)
     return CostCurve(batches=[1], widths=list(lengths), seconds=[seconds])
-
-
-def seeded_step_costs(loaded: LoadedModel, curve: CostCurve) -> StepCosts:
-    """The engine's step-cost table started from a measured curve, so runs need no probing of their own."""
-    costs = step_costs(loaded, max_width=curve.max_width)
-    for b, row in zip(curve.batches, curve.seconds, strict=True):
-        if b & (b - 1) == 0:  # the engine keys its table by power-of-two buckets
-            costs.target_s.update({(b, w): s for w, s in zip(curve.widths, row, strict=True)})
-    return costs
 
 
 def measure_acceptance(
@@ -198,11 +378,16 @@ def measure_acceptance(
         samples += [
             _sample(p.id, category, drafter.name, q, r) for p, q, r in zip(prompts, requests, results, strict=True)
         ]
+    return measured, samples, _in_run_costs(engine)
+
+
+def _in_run_costs(engine: SpeculativeEngine) -> dict[int, float]:
+    """Seconds per draft step by batch bucket in the engine's runs, in steady state."""
     in_run = dict(sorted(engine.draft_costs.step_s.items()))
     if not in_run:  # runs too short to draft twice in a row: every draft call, start-up included
         totals = engine.totals
         in_run = {1: totals.draft_time_s / max(1, sum(k for k in totals.k_history if k > 0))}
-    return measured, samples, in_run
+    return in_run
 
 
 def acceptance_profile(category: str, k: int, prompts: int, stats: SpeculationStats) -> AcceptanceProfile:
@@ -264,7 +449,7 @@ def drafter_profile(
     if not isinstance(drafter, ModelDrafter):
         return DrafterProfile(name=drafter.name, kind=kind, batches=list(in_run), step_seconds=list(in_run.values()))
     probed = [
-        measure_step_times(drafter.model, b, [1], config.context_tokens, config.repeats)[1]
+        measure_step_times(drafter.model, b, [1], config.context_tokens, config.repeats, config.enough_s)[1]
         for b in tqdm(config.batches, desc=f"draft step {drafter.name}", unit="batch", disable=not progress)
     ]
     probe = DrafterProfile(name=drafter.name, kind=kind, batches=list(config.batches), step_seconds=probed)
@@ -283,4 +468,5 @@ def _model_summary(loaded: LoadedModel) -> ModelSummary:
         parameters=info.parameters,
         weight_bytes=info.weight_bytes,
         threads=torch.get_num_threads(),
+        fingerprint=fingerprint(loaded.model, loaded.tokenizer),
     )

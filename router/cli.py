@@ -12,9 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
-from backends.errors import UserError
-from policies.config import PolicyError
-from policies.profile import ProfileError
+from policies.drafters import BENCHED_KINDS, KINDS, SERVED_KINDS, TRAINED_KINDS, DrafterConfig, option_kinds
+from policies.errors import UserError
 
 if TYPE_CHECKING:
     from backends.generation import GenerationResult
@@ -47,15 +46,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValidationError as exc:
         what = INPUT_NAMES.get(exc.title, "input")
         print(f"error: invalid {what}:\n{format_validation_error(exc)}", file=sys.stderr)
-    except (UserError, ProfileError, PolicyError) as exc:  # anything else is a bug and keeps its traceback
+    except UserError as exc:  # anything else is a bug and keeps its traceback
         print(f"error: {exc}", file=sys.stderr)
     return 2
-
-
-WEIGHTS_HELP = (
-    "eagle, medusa, early-exit-adapter: 'default' (shipped for the embedded model), or a directory / "
-    ".safetensors from `specroute train-drafter`"
-)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -135,22 +128,29 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _add_drafter_option_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--draft-model", default="embedded", help="model drafter: the draft model (same tokenizer)")
-    parser.add_argument("--draft-dtype", default="bfloat16", help="model drafter: float32 or bfloat16")
-    parser.add_argument("--exit-layer", type=int, default=4, help="early-exit drafter: target layers used")
-    parser.add_argument("--drafter-weights", default="default", help=WEIGHTS_HELP)
+def _add_drafter_args(parser: argparse.ArgumentParser) -> None:
+    """One flag per `DrafterConfig` option, declared from the config itself: its default, its
+    description and the kinds (from the registry) that read it."""
+    group = parser.add_argument_group("drafter options")
+    for name, field in DrafterConfig.model_fields.items():
+        if name == "kind":
+            continue
+        extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
+        flag = str(extra.get("flag", "--" + name.replace("_", "-")))
+        kinds = ", ".join(option_kinds(name))
+        group.add_argument(
+            flag, dest=name, type=type(field.default), default=field.default, help=f"{kinds}: {field.description}"
+        )
 
 
-def _drafter_options(args: argparse.Namespace) -> object:
-    from backends.speculative.factory import DrafterConfig
+def _drafter_options(args: argparse.Namespace, kind: str | None = None) -> DrafterConfig:
+    """The drafter options the flags give (and the kind, if one is named)."""
+    options = {name: getattr(args, name) for name in DrafterConfig.model_fields if name != "kind"}
+    return DrafterConfig(**options, **({"kind": kind} if kind is not None else {}))
 
-    return DrafterConfig(
-        draft_model=args.draft_model,
-        draft_dtype=args.draft_dtype,
-        exit_layer=args.exit_layer,
-        weights=args.drafter_weights,
-    )
+
+def _kinds_help(kinds: tuple[str, ...]) -> str:
+    return ",".join(kinds)
 
 
 def _add_profile_args(parser: argparse.ArgumentParser) -> None:
@@ -158,12 +158,29 @@ def _add_profile_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batches", default="1,2,4,8,16,32,64", help="batch sizes of the cost curves")
     parser.add_argument("--max-width", type=int, default=9, help="widest pass measured (k up to max-width - 1)")
     parser.add_argument("--prefill-lengths", default="16,64,256,1024", help="prompt lengths timed for TTFT")
-    parser.add_argument("--drafters", default="ngram,model", help="comma-separated drafters to profile")
+    parser.add_argument(
+        "--drafters",
+        default=_kinds_help(SERVED_KINDS),
+        help=f"comma-separated drafters to profile ({', '.join(KINDS)})",
+    )
     parser.add_argument("--acceptance-k", type=int, default=8, help="k each drafter runs at to measure acceptance")
     parser.add_argument("--max-tokens", type=int, default=64, help="tokens per prompt in the acceptance runs")
     parser.add_argument("--categories", help="comma-separated categories (default: all)")
     parser.add_argument("--prompts", type=int, default=None, help="prompts per category (default: all)")
-    _add_drafter_option_args(parser)
+    _add_drafter_args(parser)
+    parser.add_argument(
+        "--acceptance",
+        default="auto",
+        choices=["auto", "measure", "shipped"],
+        help="auto: take acceptance shipped for this model when it fits (the embedded default in float32), "
+        "else measure it; measure: always; shipped: refuse to measure it",
+    )
+    parser.add_argument(
+        "--ship-acceptance",
+        action="store_true",
+        help="also write the measured acceptance and int8 agreement as the ones specroute ships for the embedded "
+        "default (float32 only; implies --acceptance measure)",
+    )
     parser.add_argument("--out", help="where the profile goes (default: under SPECROUTE_HOME, per model)")
     parser.add_argument("--json", action="store_true", help="print the profile as JSON instead of the report")
 
@@ -187,13 +204,13 @@ def _add_advise_args(parser: argparse.ArgumentParser) -> None:
 def _add_model_fit_args(parser: argparse.ArgumentParser) -> None:
     _add_model_args(parser)
     parser.add_argument("--profile", help="profile path (default: the model's under SPECROUTE_HOME)")
-    parser.add_argument("--drafter", default="ngram", help="ngram, model or early-exit")
+    parser.add_argument("--drafter", default=KINDS[0], choices=KINDS, help="the drafter whose fit is measured")
     parser.add_argument("--categories", help="comma-separated categories (default: all)")
     parser.add_argument("--ks", default="1,2,4,8", help="comma-separated fixed k values")
     parser.add_argument("--batches", default="1,2,4,8,16", help="comma-separated batch sizes")
     parser.add_argument("--max-tokens", type=int, default=40, help="tokens generated per row (EOS ignored)")
     parser.add_argument("--prompts", type=int, default=2, help="prompts per category")
-    _add_drafter_option_args(parser)
+    _add_drafter_args(parser)
     parser.add_argument("--out", default="bench-model-fit.json", help="where the JSON results go ('-' for none)")
     parser.add_argument("--json", action="store_true", help="print the JSON instead of the tables")
 
@@ -222,19 +239,10 @@ def _add_generate_args(parser: argparse.ArgumentParser) -> None:
 
 def _add_speculative_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("speculative decoding")
-    group.add_argument(
-        "--speculative",
-        choices=["ngram", "model", "early-exit", "eagle", "medusa", "early-exit-adapter"],
-        help="draft with this drafter (default: plain)",
-    )
+    group.add_argument("--speculative", choices=KINDS, help="draft with this drafter (default: plain)")
     group.add_argument("--k", help="drafted tokens per step: an integer, or auto (default)")
     group.add_argument("--k-max", type=int, default=8, help="largest k that --k auto may choose")
-    group.add_argument("--ngram-max", type=int, default=4, help="ngram: longest suffix n-gram to look up")
-    group.add_argument("--ngram-min", type=int, default=2, help="ngram: shortest suffix n-gram to accept")
-    group.add_argument("--draft-model", default="embedded", help="model: the draft model (same tokenizer)")
-    group.add_argument("--draft-dtype", default="bfloat16", help="model: float32 or bfloat16")
-    group.add_argument("--exit-layer", type=int, default=4, help="early-exit: target layers used to draft")
-    group.add_argument("--drafter-weights", default="default", help=WEIGHTS_HELP)
+    _add_drafter_args(parser)
 
 
 def _add_bench_plain_args(parser: argparse.ArgumentParser) -> None:
@@ -250,14 +258,11 @@ def _add_bench_spec_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--categories", help="comma-separated categories (default: all)")
     parser.add_argument("--prompts", type=int, default=3, help="prompts per category")
     parser.add_argument(
-        "--drafters", default="ngram,model,eagle,medusa,early-exit-adapter", help="comma-separated drafters"
+        "--drafters", default=_kinds_help(BENCHED_KINDS), help=f"comma-separated drafters ({', '.join(KINDS)})"
     )
     parser.add_argument("--fixed-k", type=int, default=4, help="the fixed k each drafter also runs at")
     parser.add_argument("--k-max", type=int, default=8, help="largest k that auto may choose")
-    parser.add_argument("--draft-model", default="embedded", help="model drafter: the draft model")
-    parser.add_argument("--draft-dtype", default="bfloat16", help="model drafter: float32 or bfloat16")
-    parser.add_argument("--exit-layer", type=int, default=4, help="early-exit drafter: layers used")
-    parser.add_argument("--drafter-weights", default="default", help=WEIGHTS_HELP)
+    _add_drafter_args(parser)
     parser.add_argument("--no-transformers", action="store_true", help="skip transformers' assisted generation")
     parser.add_argument("--out", default="bench-spec.json", help="where the JSON results go ('-' for none)")
     parser.add_argument("--json", action="store_true", help="print the JSON instead of the tables")
@@ -270,7 +275,11 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--profile", help="profile JSON (default: SPECROUTE_HOME/profiles/…; measured if missing)")
     parser.add_argument("--policy", help="policy YAML (default: the built-in policy, as in deploy/policy.yaml)")
     parser.add_argument("--max-batch", type=int, default=32, help="most requests one backend batch takes")
-    parser.add_argument("--drafters", default="ngram,model", help="drafters the speculative backend loads")
+    parser.add_argument(
+        "--drafters",
+        default=_kinds_help(SERVED_KINDS),
+        help=f"drafters the speculative backend loads ({', '.join(KINDS)})",
+    )
     parser.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (default: $SPECROUTE_API_KEY)")
     _add_model_args(parser)
 
@@ -299,14 +308,14 @@ def _add_bench_load_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_train_drafter_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--kind", required=True, choices=["eagle", "medusa", "early-exit"], help="what to train")
+    parser.add_argument("--kind", required=True, choices=TRAINED_KINDS, help="the drafter to train")
     parser.add_argument("--minutes", type=float, default=10.0, help="training time budget (data generation excluded)")
     parser.add_argument("--out", help="directory for <kind>.safetensors + .json (default: SPECROUTE_HOME/drafters/…)")
     parser.add_argument("--prompts", type=int, help="use only this many training prompts (default: all)")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="longest self-distilled answer")
     parser.add_argument("--draft-vocab", type=int, default=16384, help="tokens the drafter may propose; 0 = all")
     parser.add_argument("--heads", type=int, default=4, help="medusa: number of heads")
-    parser.add_argument("--exit-layer", type=int, default=8, help="early-exit: target layers under the adapter")
+    parser.add_argument("--exit-layer", type=int, default=8, help="early-exit-adapter: target layers under the adapter")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--data-dir", help="self-distillation cache (default: SPECROUTE_HOME/drafter-data)")
@@ -419,23 +428,13 @@ def _engine(args: argparse.Namespace, loaded: object) -> object:
 
     if args.speculative is None:
         if args.k is not None:
-            raise UsageError("--k needs --speculative: pick a drafter (e.g. ngram, eagle or medusa)")
+            raise UsageError(f"--k needs --speculative: pick a drafter ({', '.join(KINDS)})")
         return PlainEngine(loaded)
     from backends.speculative.engine import SpeculativeEngine
-    from backends.speculative.factory import DrafterConfig, build_drafter
+    from backends.speculative.factory import build_drafter
 
-    drafter_config = DrafterConfig(
-        kind=args.speculative,
-        ngram_max=args.ngram_max,
-        ngram_min=args.ngram_min,
-        draft_model=args.draft_model,
-        draft_dtype=args.draft_dtype,
-        exit_layer=args.exit_layer,
-        weights=args.drafter_weights,
-    )
-    return SpeculativeEngine(
-        loaded, build_drafter(drafter_config, loaded), k=parse_k(args.k or "auto"), k_max=args.k_max
-    )
+    drafter = build_drafter(_drafter_options(args, args.speculative), loaded)
+    return SpeculativeEngine(loaded, drafter, k=parse_k(args.k or "auto"), k_max=args.k_max)
 
 
 def parse_k(text: str) -> int | str:
@@ -486,7 +485,7 @@ def run_bench_spec(args: argparse.Namespace) -> int:
 
 def run_profile(args: argparse.Namespace) -> int:
     from profiler.profile_report import render_profile
-    from profiler.profiling import ProfileConfig, default_profile_path, run_profile
+    from profiler.profiling import ProfileConfig, default_profile_path, run_profile, write_seed
 
     config = ProfileConfig(
         **_model_fields(args),
@@ -499,14 +498,19 @@ def run_profile(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens,
         categories=_str_list(args.categories) if args.categories else None,
         prompts_per_category=args.prompts,
+        acceptance="measure" if args.ship_acceptance else args.acceptance,
     )
+    if args.ship_acceptance and (args.model not in ("embedded", "default") or args.dtype != "float32"):
+        raise UsageError("--ship-acceptance is for the embedded default in float32 (--model embedded --dtype float32)")
     _quiet_model_loading()
-    profile = run_profile(config)
+    profile = run_profile(config, log=lambda line: print(line, file=sys.stderr))
     path = Path(args.out) if args.out else default_profile_path(args.model, args.dtype, args.device)
     profile.save(path)
     print(profile.model_dump_json(indent=2) if args.json else render_profile(profile))
     if not args.json:
         print(f"\nprofile written to {path}")
+    if args.ship_acceptance:
+        print(f"shipped acceptance written to {write_seed(profile)}", file=sys.stderr)
     return 0
 
 

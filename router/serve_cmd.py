@@ -36,12 +36,20 @@ def ensure_profile(settings: ServiceSettings, log: Callable[[str], None] = print
     path = settings.profile_path()
     if path.exists():
         return path
-    from profiler.profiling import ProfileConfig, run_profile
+    from profiler.profiling import ProfileConfig, batches_up_to, run_profile
 
     b = settings.backend
-    log(f"no profile at {path}: measuring this machine first (about 10 minutes, once)")
-    config = ProfileConfig(model=b.model, dtype=b.dtype, device=b.device, threads=b.threads)
-    run_profile(config, progress=True).save(path)
+    log(f"no profile at {path}: measuring this machine first (once)")
+    config = ProfileConfig(
+        model=b.model,
+        dtype=b.dtype,
+        device=b.device,
+        threads=b.threads,
+        drafters=b.drafters,
+        drafter=b.drafter,
+        batches=batches_up_to(b.max_batch),  # the largest batch a replica will run
+    )
+    run_profile(config, progress=True, log=log).save(path)
     log(f"profile written to {path}")
     return path
 

@@ -29,6 +29,7 @@ from backends.streaming import StreamEvent
 from policies.config import default_policy, load_policy
 from policies.profile import Profile, ProfileError
 from profiler.profiling import default_profile_path
+from profiler.workloads import quantization_split
 
 from .app import create_app, install
 from .core import Limits, RouterCore
@@ -155,7 +156,10 @@ def build_app(args: dict[str, Any], policy: dict[str, Any] | None = None) -> ser
     speculative = SpeculativeBackend.options(**options).bind(backend_args)
     plain = PlainBackend.options(**options).bind(backend_args)
     # The int8 kernels are CPU kernels over float32 weights, wherever the other backends run.
-    quantized = QuantizedBackend.options(**options).bind({**backend_args, "device": "cpu", "dtype": "float32"})
+    calibration = [[m.model_dump() for m in p.messages] for p in quantization_split()[0]]
+    quantized = QuantizedBackend.options(**options).bind(
+        {**backend_args, "device": "cpu", "dtype": "float32", "calibration": calibration}
+    )
     router_options: dict[str, Any] = {"ray_actor_options": {"num_cpus": settings.router_cpus}}
     if policy is not None:
         router_options["user_config"] = {"policy": policy}

@@ -9,7 +9,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import pytest  # noqa: E402
 
 from backends.embedded import prepare_embedded_model  # noqa: E402
-from backends.models import LoadedModel, load_model  # noqa: E402
+from backends.models import LoadedModel, load_model, load_tokenizer  # noqa: E402
 from backends.plain import PlainEngine  # noqa: E402
 
 
@@ -25,5 +25,7 @@ def engine(loaded: LoadedModel) -> PlainEngine:
 
 
 @pytest.fixture(scope="session")
-def tokenizer(loaded: LoadedModel):
-    return loaded.tokenizer
+def tokenizer():
+    """The embedded model's tokenizer alone: tests of tiny random models need no real weights."""
+    prepare_embedded_model(log=lambda _: None)
+    return load_tokenizer("embedded")

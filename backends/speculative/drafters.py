@@ -1,9 +1,11 @@
 """Drafters: strategies that propose the next k tokens of each sequence in a batch.
 
-The engine only calls `propose`, `observe`, `observe_target`, `release` and `fresh`; it never
-looks inside.
+The step loop calls `propose`, `observe`, `observe_target` (for drafters with `feature_layers`),
+`backlog`, `release` and `fresh`; it never looks inside.
 A proposal carries the tokens and, for drafters that sample, the distribution q each token was
 drawn from (None means deterministic: q is one-hot at the token).
+
+The `build_*` functions are what the registry (`policies.drafters`) names for the untrained kinds.
 """
 
 from __future__ import annotations
@@ -16,8 +18,11 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PreTrainedModel
 
+from policies.drafters import DrafterConfig, drafter_name
+
 from ..errors import ModelLoadError
 from ..kv import UNBOUNDED_TOKENS, PagedCache, check_full_attention
+from ..models import LoadedModel, load_model
 from ..sampling import SamplingParams, draw, target_probs
 
 
@@ -57,7 +62,7 @@ class Drafter(ABC):
     per-sequence state lives under `DraftRow.key`, is created the first time a key is seen (a
     drafter catches up on the context it has not read yet) and dropped by `release`."""
 
-    name: str = "drafter"
+    name: str = "drafter"  # the registry's name for it (`policies.drafters.drafter_name`), set by its builder
     # Hidden-state indices of the target (0 = embeddings, last = post-norm) this drafter reads;
     # when non-empty the engine calls `observe_target` after every target pass over its rows.
     feature_layers: tuple[int, ...] = ()
@@ -86,7 +91,12 @@ class Drafter(ABC):
 
     @abstractmethod
     def fresh(self) -> Drafter:
-        """The same drafter with no per-sequence state, sharing any weights: one per engine."""
+        """The same drafter (its name included) with no per-sequence state, sharing any weights:
+        one per engine."""
+
+    def _named_as_me(self, drafter: Drafter) -> Drafter:
+        drafter.name = self.name
+        return drafter
 
 
 @dataclass
@@ -102,8 +112,6 @@ class NgramDrafter(Drafter):
     earlier in the prompt or the output and propose what followed its latest occurrence.
     Deterministic and nearly free; strong when the answer copies its input."""
 
-    name = "ngram"
-
     def __init__(self, max_n: int = 4, min_n: int = 2):
         if not 1 <= min_n <= max_n:
             raise ValueError(f"need 1 <= min_n <= max_n (got min_n={min_n}, max_n={max_n})")
@@ -116,8 +124,8 @@ class NgramDrafter(Drafter):
     def release(self, key: int) -> None:
         self.indexes.pop(key, None)
 
-    def fresh(self) -> NgramDrafter:
-        return NgramDrafter(self.max_n, self.min_n)
+    def fresh(self) -> Drafter:
+        return self._named_as_me(NgramDrafter(self.max_n, self.min_n))
 
     def _index(self, key: int) -> _NgramIndex:
         if key not in self.indexes:
@@ -159,8 +167,6 @@ class ModelDrafter(Drafter):
     rolled back to the accepted prefix after each verification. A sequence it has not seen (or
     not drafted for in a while) first catches up on the context it is missing."""
 
-    name = "model"
-
     def __init__(self, model: PreTrainedModel, target_vocab: int):
         vocab = model.config.vocab_size  # a draft-vocabulary head still scores the full vocabulary
         if vocab != target_vocab:
@@ -188,10 +194,8 @@ class ModelDrafter(Drafter):
             state.synced = row.length
         return proposal
 
-    def fresh(self) -> ModelDrafter:
-        drafter = ModelDrafter(self.model, self.model.config.vocab_size)
-        drafter.name = self.name
-        return drafter
+    def fresh(self) -> Drafter:
+        return self._named_as_me(ModelDrafter(self.model, self.model.config.vocab_size))
 
     def observe(self, rows: Sequence[DraftRow], accepted: Sequence[int]) -> None:
         """Roll the cache back to the context plus the accepted drafts."""
@@ -309,3 +313,35 @@ def _share_modules(module: torch.nn.Module) -> torch.nn.Module:
     clone._parameters = dict(module._parameters)
     clone._buffers = dict(module._buffers)
     return clone
+
+
+def named(drafter: Drafter, config: DrafterConfig, detail: str = "") -> Drafter:
+    drafter.name = drafter_name(config, detail)
+    return drafter
+
+
+def build_ngram(config: DrafterConfig, target: LoadedModel) -> Drafter:
+    return named(NgramDrafter(max_n=config.ngram_max, min_n=config.ngram_min), config)
+
+
+def build_early_exit(config: DrafterConfig, target: LoadedModel) -> Drafter:
+    return named(ModelDrafter(early_exit_model(target.model, config.exit_layer), _vocab(target)), config)
+
+
+def build_model_drafter(config: DrafterConfig, target: LoadedModel) -> Drafter:
+    draft = load_model(config.draft_model, dtype=config.draft_dtype, device=target.info.device)
+    if draft.info.name == target.info.name and draft.info.dtype == target.info.dtype:
+        raise ModelLoadError(
+            "the draft model is the target itself in the same dtype, which can never be faster: "
+            "pick a smaller model with the same tokenizer, or draft in bfloat16 (draft_dtype)"
+        )
+    if draft.tokenizer.get_vocab() != target.tokenizer.get_vocab():
+        raise ModelLoadError(
+            f"the draft model {config.draft_model!r} has a different tokenizer from the target: "
+            "a drafter must share the target's vocabulary"
+        )
+    return named(ModelDrafter(draft.model, _vocab(target)), config, f"{draft.info.name}@{draft.info.dtype}")
+
+
+def _vocab(target: LoadedModel) -> int:
+    return target.model.get_output_embeddings().weight.shape[0]

@@ -1,5 +1,7 @@
 """Speculation counters with vLLM's meaning: a *draft* is one speculative step of one sequence,
-α = accepted / drafted tokens, mean accepted length = 1 + accepted / drafts."""
+acceptance rate = accepted / drafted tokens, mean accepted length = 1 + accepted / drafts. Beside
+them the cost model's α: accepted tokens over tokens *judged* on steps with a proposal (accepted +
+the first rejected or missing one)."""
 
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ class SpeculationStats(BaseModel):
     @computed_field
     @property
     def acceptance_rate(self) -> float:
+        """vLLM's acceptance rate: accepted / drafted tokens (a short proposal is judged on what it drafted)."""
         return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
 
     @computed_field

@@ -9,13 +9,15 @@ import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 from safetensors.torch import load_file, save_file
 from transformers import LlamaModel, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.cache_utils import Cache
+
+from policies.drafters import TrainedKind, resolve, spec
 
 from ..errors import ModelLoadError
 
@@ -91,6 +93,10 @@ class EagleNet(torch.nn.Module):
         self.embed: torch.nn.Embedding | None = None
         self.head: DraftVocab | None = None
 
+    @classmethod
+    def from_card(cls, card: DrafterCard, target: PreTrainedModel) -> EagleNet:
+        return cls(target.config, card.width)
+
     def attach(self, embed: torch.nn.Embedding, head: DraftVocab) -> None:
         """Borrow the target's embedding and the draft-vocabulary LM head (not registered as
         submodules, so they are neither trained nor saved)."""
@@ -158,6 +164,10 @@ class MedusaNet(torch.nn.Module):
         super().__init__()
         self.heads = torch.nn.ModuleList([ResidualBlock(hidden_size) for _ in range(heads)])
 
+    @classmethod
+    def from_card(cls, card: DrafterCard, target: PreTrainedModel) -> MedusaNet:
+        return cls(card.hidden_size, card.heads)
+
     def forward(self, features: torch.Tensor) -> torch.Tensor:
         """(…, H) → (…, heads, H): what each head hands the LM head."""
         dtype = self.heads[0].linear.weight.dtype
@@ -174,6 +184,10 @@ class ExitAdapter(torch.nn.Module):
         self.up = torch.nn.Linear(width, hidden_size)
         torch.nn.init.zeros_(self.up.weight)  # untrained = the plain early exit
         torch.nn.init.zeros_(self.up.bias)
+
+    @classmethod
+    def from_card(cls, card: DrafterCard, target: PreTrainedModel) -> ExitAdapter:
+        return cls(card.hidden_size, card.width)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
@@ -193,7 +207,6 @@ class AdaptedNorm(torch.nn.Module):
         return self.norm(self.adapter(x))
 
 
-TrainedKind = Literal["eagle", "medusa", "early-exit-adapter"]
 DEFAULTS_DIR = Path(__file__).parent / "defaults"
 
 
@@ -255,7 +268,7 @@ def resolve_weights(source: str | None, kind: TrainedKind, target_name: str) -> 
         if not path.exists():
             raise ModelLoadError(
                 f"no {kind} drafter ships for {target_name!r}: train one with "
-                f"`specroute train-drafter --kind {train_kind(kind)} --out DIR` and pass its path"
+                f"`specroute train-drafter --kind {kind} --out DIR` and pass its path"
             )
         return path
     path = Path(source).expanduser()
@@ -264,11 +277,6 @@ def resolve_weights(source: str | None, kind: TrainedKind, target_name: str) -> 
     if not path.exists() or not card_path(path).exists():
         raise ModelLoadError(f"no trained {kind} drafter at {path} (need the .safetensors and its .json card)")
     return path
-
-
-def train_kind(kind: TrainedKind) -> str:
-    """The `train-drafter --kind` name of a drafter kind."""
-    return "early-exit" if kind == "early-exit-adapter" else kind
 
 
 def save_drafter(path: Path, card: DrafterCard, net: torch.nn.Module, draft_ids: torch.Tensor) -> None:
@@ -280,11 +288,10 @@ def save_drafter(path: Path, card: DrafterCard, net: torch.nn.Module, draft_ids:
 
 
 def build_net(card: DrafterCard, target: PreTrainedModel) -> torch.nn.Module:
-    if card.kind == "eagle":
-        return EagleNet(target.config, card.width)
-    if card.kind == "medusa":
-        return MedusaNet(card.hidden_size, card.heads)
-    return ExitAdapter(card.hidden_size, card.width)
+    """The untrained network of the card's kind (the registry names its class), sized as the card says."""
+    network = spec(card.kind).network
+    assert network is not None, f"the registry names no network for {card.kind}"
+    return resolve(network).from_card(card, target)
 
 
 def load_drafter(
@@ -301,7 +308,7 @@ def load_drafter(
         raise ModelLoadError(
             f"the {card.kind} drafter at {path} was trained for another target ({card.target}, fingerprint "
             f"{card.fingerprint[:12]}); this target's fingerprint is {mine[:12]}: train a drafter for it with "
-            f"`specroute train-drafter --kind {train_kind(card.kind)}`"
+            f"`specroute train-drafter --kind {card.kind}`"
         )
     tensors = load_file(str(path))
     draft_ids = tensors.pop("draft_vocab")

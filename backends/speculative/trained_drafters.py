@@ -5,9 +5,11 @@
   predicted features are dropped and the target's true features of the accepted tokens fed.
 - `MedusaDrafter`: head j reads the target's newest verified feature and proposes the token j+1
   places ahead; no state but that feature per sequence.
-- `adapter_exit_model`: the target's first L layers, the trained adapter, the final norm and a
-  draft-vocabulary LM head, as a causal LM that `ModelDrafter` drives (weights shared with the
-  target, its own cache of those L layers).
+- `adapter_exit_model` (the early-exit adapter): the target's first L layers, the trained
+  adapter, the final norm and a draft-vocabulary LM head, as a causal LM that `ModelDrafter`
+  drives (weights shared with the target, its own cache of those L layers).
+
+The `build_*` functions are what the registry (`policies.drafters`) names for the trained kinds.
 
 All three draw from logits that are -inf outside their draft vocabulary, so q is exact there.
 """
@@ -20,7 +22,10 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PreTrainedModel
 
+from policies.drafters import DrafterConfig
+
 from ..kv import UNBOUNDED_TOKENS, PagedCache
+from ..models import LoadedModel, resolve_dtype
 from .drafters import (
     Drafter,
     DraftRow,
@@ -29,8 +34,9 @@ from .drafters import (
     draft_autoregressively,
     draw_drafts,
     early_exit_model,
+    named,
 )
-from .trained import AdaptedNorm, EagleNet, ExitAdapter, MedusaNet, TrainedDrafter
+from .trained import AdaptedNorm, EagleNet, ExitAdapter, MedusaNet, TrainedDrafter, load_drafter, resolve_weights
 
 
 @dataclass
@@ -41,8 +47,6 @@ class _EagleSequence:
 
 
 class EagleDrafter(Drafter):
-    name = "eagle"
-
     def __init__(self, trained: TrainedDrafter):
         assert isinstance(trained.net, EagleNet)
         self.trained, self.net = trained, trained.net
@@ -51,8 +55,8 @@ class EagleDrafter(Drafter):
         self.cache = PagedCache(self.net, max_tokens=UNBOUNDED_TOKENS)
         self.sequences: dict[int, _EagleSequence] = {}
 
-    def fresh(self) -> EagleDrafter:
-        return EagleDrafter(self.trained)
+    def fresh(self) -> Drafter:
+        return self._named_as_me(EagleDrafter(self.trained))
 
     def observe_target(self, rows: Sequence[DraftRow], features: Sequence[torch.Tensor]) -> None:
         for row, f in zip(rows, features, strict=True):
@@ -115,8 +119,6 @@ class EagleDrafter(Drafter):
 
 
 class MedusaDrafter(Drafter):
-    name = "medusa"
-
     def __init__(self, trained: TrainedDrafter):
         assert isinstance(trained.net, MedusaNet)
         self.trained, self.net, self.head = trained, trained.net, trained.head
@@ -124,8 +126,8 @@ class MedusaDrafter(Drafter):
         self.max_draft = len(self.net.heads)
         self.latest: dict[int, torch.Tensor] = {}  # per sequence: the newest verified token's feature
 
-    def fresh(self) -> MedusaDrafter:
-        return MedusaDrafter(self.trained)
+    def fresh(self) -> Drafter:
+        return self._named_as_me(MedusaDrafter(self.trained))
 
     def observe_target(self, rows: Sequence[DraftRow], features: Sequence[torch.Tensor]) -> None:
         for row, f in zip(rows, features, strict=True):
@@ -162,7 +164,21 @@ def adapter_exit_model(target: PreTrainedModel, trained: TrainedDrafter) -> PreT
     return shallow
 
 
-def adapter_drafter(target: PreTrainedModel, trained: TrainedDrafter) -> ModelDrafter:
-    drafter = ModelDrafter(adapter_exit_model(target, trained), target.config.vocab_size)
-    drafter.name = "early-exit-adapter"
-    return drafter
+def build_eagle(config: DrafterConfig, target: LoadedModel) -> Drafter:
+    return named(EagleDrafter(_load(config, target, config.draft_dtype)), config)
+
+
+def build_medusa(config: DrafterConfig, target: LoadedModel) -> Drafter:
+    return named(MedusaDrafter(_load(config, target, config.draft_dtype)), config)
+
+
+def build_adapter(config: DrafterConfig, target: LoadedModel) -> Drafter:
+    """The adapter runs in the target's dtype: it sits between the target's own layers."""
+    trained = _load(config, target, target.info.dtype)
+    return named(ModelDrafter(adapter_exit_model(target.model, trained), target.model.config.vocab_size), config)
+
+
+def _load(config: DrafterConfig, target: LoadedModel, dtype: str) -> TrainedDrafter:
+    """EAGLE and Medusa run in `draft_dtype` (their own small weights)."""
+    path = resolve_weights(config.weights, config.kind, target.info.name)
+    return load_drafter(path, target.model, target.tokenizer, resolve_dtype(dtype))

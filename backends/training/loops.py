@@ -12,6 +12,9 @@ drafting happens); the prompt is context only.
 - Medusa, head j at position i: classify x_{i+2+j} from f_i.
 - Early-exit adapter, at position i: classify x_{i+1} from layer L's state through the adapter,
   the final norm and the LM head.
+
+Each task class is what the drafter registry (`policies.drafters`) names as its kind's `task`:
+it builds the untrained network, says which target layers it reads and what the card records.
 """
 
 from __future__ import annotations
@@ -19,11 +22,17 @@ from __future__ import annotations
 import random
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
+from ..errors import TrainingError
 from ..speculative.trained import DraftVocab, EagleNet, ExitAdapter, MedusaNet
+
+if TYPE_CHECKING:
+    from ..models import LoadedModel
+    from .train import TrainConfig
 
 IGNORE = -100
 EAGLE_CLASSIFY_WEIGHT = 0.1
@@ -55,9 +64,26 @@ class Task:
 
     positions: int = 1  # draft positions the evaluation reports
     sequence_level = False  # batches of whole sequences (sized in tokens) or of single positions
+    noise = 0.0  # feature noise while training, absolute
 
     def __init__(self, net: torch.nn.Module, head: DraftVocab):
         self.net, self.head = net, head
+
+    @classmethod
+    def create(cls, config: TrainConfig, loaded: LoadedModel, head: DraftVocab, rms: float) -> Task:
+        """The untrained network of this kind in its task; `rms` is the features' scale."""
+        raise NotImplementedError
+
+    @classmethod
+    def feature_layers(cls, config: TrainConfig, layers: int) -> list[int]:
+        """Target hidden-state indices the kind reads: by default the last, post-norm (the LM head
+        of it gives the logits)."""
+        return [layers]
+
+    @classmethod
+    def card_fields(cls, config: TrainConfig) -> dict[str, int]:
+        """The network's sizes the card records (what `from_card` rebuilds it from)."""
+        return {}
 
     def batches(self, data: Sequences, batch_tokens: int, rng: random.Random) -> Iterator[dict[str, torch.Tensor]]:
         raise NotImplementedError
@@ -120,9 +146,18 @@ class EagleTask(Task):
     positions = 2
     sequence_level = True
 
-    def __init__(self, net: EagleNet, head: DraftVocab):
-        super().__init__(net, head)
-        self.noise = 0.0  # feature noise while training (set by the trainer)
+    @classmethod
+    def create(cls, config: TrainConfig, loaded: LoadedModel, head: DraftVocab, rms: float) -> Task:
+        model = loaded.model
+        net = EagleNet(model.config, config.eagle_width)
+        net.attach(model.get_input_embeddings(), head)
+        task = cls(net, head)
+        task.noise = config.noise * rms
+        return task
+
+    @classmethod
+    def card_fields(cls, config: TrainConfig) -> dict[str, int]:
+        return {"width": config.eagle_width}
 
     def batches(self, data: Sequences, batch_tokens: int, rng: random.Random) -> Iterator[dict[str, torch.Tensor]]:
         for group in _sequence_batches(data, batch_tokens, rng):
@@ -195,6 +230,14 @@ class MedusaTask(_TokenTask):
         super().__init__(net, head)
         self.positions = len(net.heads)
 
+    @classmethod
+    def create(cls, config: TrainConfig, loaded: LoadedModel, head: DraftVocab, rms: float) -> Task:
+        return cls(MedusaNet(loaded.model.config.hidden_size, config.heads), head)
+
+    @classmethod
+    def card_fields(cls, config: TrainConfig) -> dict[str, int]:
+        return {"heads": config.heads}
+
     def _pairs(self, data: Sequences) -> tuple[torch.Tensor, torch.Tensor]:
         heads = self.positions
         feats, labels = [], []
@@ -223,6 +266,21 @@ class ExitTask(_TokenTask):
     def __init__(self, net: ExitAdapter, head: DraftVocab, norm: torch.nn.Module):
         super().__init__(net, head)
         self.norm = norm
+
+    @classmethod
+    def create(cls, config: TrainConfig, loaded: LoadedModel, head: DraftVocab, rms: float) -> Task:
+        model = loaded.model
+        return cls(ExitAdapter(model.config.hidden_size, config.adapter_width), head, model.model.norm)
+
+    @classmethod
+    def feature_layers(cls, config: TrainConfig, layers: int) -> list[int]:
+        if not 1 <= config.exit_layer < layers:
+            raise TrainingError(f"exit_layer must be between 1 and {layers - 1} for this {layers}-layer target")
+        return [config.exit_layer]
+
+    @classmethod
+    def card_fields(cls, config: TrainConfig) -> dict[str, int]:
+        return {"width": config.adapter_width}
 
     def _pairs(self, data: Sequences) -> tuple[torch.Tensor, torch.Tensor]:
         feats, labels = [], []

@@ -12,42 +12,31 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 from tqdm import tqdm
+
+from policies.drafters import DrafterConfig, TrainedKind, resolve, spec
 
 from ..embedded import specroute_home
 from ..errors import TrainingError
 from ..generation import ChatMessage, GenerationRequest
 from ..models import LoadedModel
 from ..speculative.engine import SpeculativeEngine, step_costs
-from ..speculative.factory import DrafterConfig, build_drafter
-from ..speculative.trained import (
-    DrafterCard,
-    DraftVocab,
-    EagleNet,
-    ExitAdapter,
-    HeldOut,
-    MedusaNet,
-    TrainedKind,
-    fingerprint,
-    save_drafter,
-)
+from ..speculative.factory import build_drafter
+from ..speculative.trained import DrafterCard, DraftVocab, HeldOut, fingerprint, save_drafter
 from .data import Sample, data_dir, extract_features, generate_samples
-from .loops import IGNORE, EagleTask, ExitTask, MedusaTask, Metrics, Sequences, Task, autocast
+from .loops import IGNORE, Metrics, Sequences, Task, autocast
 from .prompts import CATEGORIES, TrainingPrompt, held_out_topic, training_prompts
 
-Kind = Literal["eagle", "medusa", "early-exit"]
 WARMUP_STEPS = 20
-KINDS: dict[str, TrainedKind] = {"eagle": "eagle", "medusa": "medusa", "early-exit": "early-exit-adapter"}
 
 
 class TrainConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    kind: Kind
+    kind: TrainedKind
     minutes: float = Field(10.0, gt=0, le=24 * 60, description="training time budget (data and features excluded)")
     out: Path | None = Field(None, description="directory for <kind>.safetensors + <kind>.json")
     prompts: int | None = Field(None, ge=8, description="use only this many prompts (spread over categories)")
@@ -117,12 +106,11 @@ def coverage(choices: Sequence[torch.Tensor], prompt_lengths: Sequence[int], ids
     return float(inside[picked].float().mean()) if len(picked) else 0.0
 
 
-def feature_layers(kind: TrainedKind, config: TrainConfig, layers: int) -> list[int]:
-    if kind == "early-exit-adapter":
-        if not 1 <= config.exit_layer < layers:
-            raise TrainingError(f"exit_layer must be between 1 and {layers - 1} for this {layers}-layer target")
-        return [config.exit_layer]
-    return [layers]  # the last hidden state, post-norm: the LM head of it gives the logits
+def task_class(kind: TrainedKind) -> type[Task]:
+    """The kind's training task, as the registry names it."""
+    task = spec(kind).task
+    assert task is not None, f"the registry names no training task for {kind}"
+    return resolve(task)
 
 
 def cached_features(
@@ -163,20 +151,6 @@ def to_sequences(
     labels = [torch.cat([torch.full((1,), IGNORE), index[c[:-1]]]) for c in choices]
     seqs = [torch.tensor(s.ids) for s in samples]
     return Sequences(seqs, [len(s.prompt_ids) for s in samples], list(features), labels)
-
-
-def build_task(kind: TrainedKind, config: TrainConfig, loaded: LoadedModel, head: DraftVocab, rms: float) -> Task:
-    model = loaded.model
-    hidden = model.config.hidden_size
-    if kind == "eagle":
-        net = EagleNet(model.config, config.eagle_width)
-        net.attach(model.get_input_embeddings(), head)
-        task: Task = EagleTask(net, head)
-        task.noise = config.noise * rms
-        return task
-    if kind == "medusa":
-        return MedusaTask(MedusaNet(hidden, config.heads), head)
-    return ExitTask(ExitAdapter(hidden, config.adapter_width), head, model.model.norm)
 
 
 def fit(task: Task, train: Sequences, held: Sequences, config: TrainConfig, progress: bool) -> dict[str, object]:
@@ -282,8 +256,8 @@ def held_out_alpha(
 def train_drafter(
     config: TrainConfig, loaded: LoadedModel, progress: bool = True, log: Callable[[str], None] = print
 ) -> tuple[Path, DrafterCard]:
-    kind = KINDS[config.kind]
-    layers = feature_layers(kind, config, loaded.model.config.num_hidden_layers)  # refuse bad settings first
+    kind, task_type = config.kind, task_class(config.kind)
+    layers = task_type.feature_layers(config, loaded.model.config.num_hidden_layers)  # refuse bad settings first
     torch.manual_seed(config.seed)
     prompts = pick_prompts(training_prompts(config.seed), config.prompts, config.seed)
     by_id = {p.id: p for p in prompts}
@@ -312,7 +286,7 @@ def train_drafter(
     rms = float(torch.cat([f.float() for f in feats[:64]]).pow(2).mean().sqrt())
     head = DraftVocab(model.get_output_embeddings().weight, draft_ids, torch.float32)
     model.requires_grad_(False)
-    task = build_task(kind, config, loaded, head, rms)
+    task = task_type.create(config, loaded, head, rms)
     log(
         f"{config.kind}: {len(train)} training / {len(held)} held-out sequences, "
         f"{sum(len(s.response_ids) for s in train)} / {sum(len(s.response_ids) for s in held)} answer tokens, "
@@ -330,8 +304,7 @@ def train_drafter(
         hidden_size=model.config.hidden_size,
         draft_vocab_size=len(draft_ids),
         layers=layers,
-        heads=config.heads if kind == "medusa" else 0,
-        width={"eagle": config.eagle_width, "early-exit-adapter": config.adapter_width}.get(kind, 0),
+        **task_type.card_fields(config),
         parameters=sum(p.numel() for p in task.net.parameters()),
         held_out=HeldOut(
             top1_by_position=[round(t, 4) for t in best.top1],
@@ -342,10 +315,10 @@ def train_drafter(
         training={
             **result,
             "lr": config.lr,
-            "batch": config.batch_tokens if kind == "eagle" else config.batch_positions,
+            "batch": config.batch_tokens if task.sequence_level else config.batch_positions,
             "budget_minutes": config.minutes,
             "threads": torch.get_num_threads(),
-            "noise": config.noise if kind == "eagle" else 0.0,
+            "noise": config.noise if task.noise else 0.0,
         },
         command=" ".join(shlex.quote(a) for a in ["specroute", *sys.argv[1:]]) if sys.argv[1:] else "",
         created=datetime.now(UTC).isoformat(timespec="seconds"),

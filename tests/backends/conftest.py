@@ -8,7 +8,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from backends.models import LoadedModel, describe
-from backends.speculative.drafters import NgramDrafter, Proposal
+from backends.speculative.drafters import NgramDrafter, Proposal, build_ngram
+from policies.drafters import DrafterConfig
 
 
 def tiny_model(vocab_size: int, seed: int, sharpness: float = 1.0) -> LlamaForCausalLM:
@@ -27,6 +28,13 @@ def tiny_model(vocab_size: int, seed: int, sharpness: float = 1.0) -> LlamaForCa
     with torch.no_grad():  # random logits are nearly flat; sharpen them so distributions have shape
         model.lm_head.weight.mul_(sharpness)
     return model
+
+
+def lookup(**options) -> NgramDrafter:
+    """Prompt lookup as the registry builds and names it ('ngram'); it reads no target."""
+    drafter = build_ngram(DrafterConfig(kind="ngram", **options), None)
+    assert isinstance(drafter, NgramDrafter)
+    return drafter
 
 
 class BrokenDrafter(NgramDrafter):
@@ -74,8 +82,8 @@ def as_loaded(model: LlamaForCausalLM, tokenizer) -> LoadedModel:
 
 
 @pytest.fixture(scope="session")
-def vocab_size(loaded) -> int:
-    return loaded.model.get_output_embeddings().weight.shape[0]
+def vocab_size(tokenizer) -> int:
+    return len(tokenizer)  # the embedded model's LM head has a row per token
 
 
 @pytest.fixture(scope="session")

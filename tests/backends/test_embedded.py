@@ -6,6 +6,7 @@ import pytest
 from backends import embedded
 
 
+@pytest.mark.slow
 def test_prepare_is_a_no_op_once_the_model_is_converted(loaded, monkeypatch):
     def forbidden(*_args):
         raise AssertionError("a prepared model must not be downloaded or converted again")

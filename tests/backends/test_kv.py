@@ -46,7 +46,7 @@ def test_cutting_back_rejected_tokens_leaves_exactly_the_kept_prefix(tiny_target
     logits = cache.last_logits(seqs, [[50], [60]])
     torch.testing.assert_close(logits[0], _clean_logits(model, [5, 6, 7, 10, 50]), **TOL)
     torch.testing.assert_close(logits[1], _clean_logits(model, [8, 9, 16, 17, 60]), **TOL)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"truncate can only shorten a sequence \(5 → 9\)"):
         cache.truncate(seqs[0], 9)
 
 
@@ -82,7 +82,7 @@ def test_the_pool_grows_on_demand_and_never_past_its_bound(tiny_target):
     big = cache.add(reserve=200)
     assert not cache.can_reserve(60)  # 50 blocks promised, 14 left
     assert cache.can_reserve(56)
-    with pytest.raises(CacheFull):
+    with pytest.raises(CacheFull, match="no room to reserve 60 tokens"):
         cache.add(reserve=60)
     cache.remove(big)
     assert cache.can_reserve(256)
@@ -93,7 +93,7 @@ def test_the_pool_grows_on_demand_and_never_past_its_bound(tiny_target):
     logits = small.last_logits([seq], [prompt])  # more than the first pool: it doubles, keeping what it held
     assert small.keys[0].shape[0] > start
     torch.testing.assert_close(logits[0], _clean_logits(model, prompt), **TOL)
-    with pytest.raises(CacheFull):
+    with pytest.raises(CacheFull, match=r"the KV pool is full \(1024 blocks of 4 tokens\)"):
         small.last_logits([seq], [list(range(5000))])
 
 

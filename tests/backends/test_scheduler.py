@@ -17,11 +17,12 @@ from backends.plain import PlainEngine
 from backends.sampling import SamplingParams
 from backends.scheduler import LoopSettings, Scheduler
 from backends.speculative.control import StepCosts
-from backends.speculative.drafters import Drafter, ModelDrafter, NgramDrafter, early_exit_model
-from backends.speculative.factory import DrafterConfig, build_drafter
+from backends.speculative.drafters import Drafter, ModelDrafter, NgramDrafter
+from backends.speculative.factory import build_drafter
+from policies.drafters import DrafterConfig
 from profiler.workloads import load_prompt_set
 
-from .conftest import BrokenDrafter, perturbed, tiny_model
+from .conftest import BrokenDrafter, lookup, perturbed, tiny_model
 from .speculative.test_engine import SAMPLING, _exact_joint, _matches_target
 
 STOPS = ["\n\n", ".", " the", "ing", ","]
@@ -108,9 +109,9 @@ def _drafters(kind: str, loaded) -> list[Drafter]:
     if kind == "plain":
         return []
     if kind == "ngram":
-        return [NgramDrafter(max_n=4, min_n=1)]
+        return [build_drafter(DrafterConfig(kind="ngram", ngram_max=4, ngram_min=1), loaded)]
     if kind == "early-exit":
-        return [ModelDrafter(early_exit_model(loaded.model, 4), vocab)]
+        return [build_drafter(DrafterConfig(kind="early-exit", exit_layer=4), loaded)]
     if kind == "random-model":  # almost never agrees: every step rejects, resamples and rolls back
         return [ModelDrafter(tiny_model(vocab, seed=5), vocab)]
     if kind == "ngram+early-exit":  # two drafters in one loop, as the speculative backend runs them
@@ -228,7 +229,7 @@ def test_a_cancelled_request_leaves_at_the_next_step_and_frees_its_blocks(tiny_t
 
 @pytest.mark.parametrize("where", ["propose", "observe"])
 def test_a_failing_drafter_ends_only_its_own_requests(tiny_target, where):
-    scheduler = Scheduler(tiny_target, LoopSettings(), [NgramDrafter(), BrokenDrafter(where)], k=2)
+    scheduler = Scheduler(tiny_target, LoopSettings(), [lookup(), BrokenDrafter(where)], k=2)
     failures = []
     good = scheduler.submit(_request(12), drafter="ngram")
     bad = scheduler.submit(_request(12), drafter="broken", on_failure=failures.append)
@@ -281,6 +282,8 @@ def test_unknown_drafters_and_drafting_on_a_plain_loop_are_refused(tiny_target):
         Scheduler(tiny_target, LoopSettings(), [NgramDrafter()]).submit(_request(2), drafter="medusa")
     with pytest.raises(RequestError, match="does not draft"):
         Scheduler(tiny_target, LoopSettings()).submit(_request(2), drafter="ngram")
+    with pytest.raises(ValueError, match=r"drafter names must differ \(got \['ngram', 'ngram'\]\)"):
+        Scheduler(tiny_target, LoopSettings(), [lookup(), lookup(ngram_min=1)])
 
 
 def _costs(curve) -> StepCosts:

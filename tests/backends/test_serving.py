@@ -13,7 +13,7 @@ from backends.scheduler import LoopSettings, Scheduler
 from backends.serving import ServingLoop
 from backends.speculative.drafters import NgramDrafter
 
-from .conftest import BrokenDrafter
+from .conftest import BrokenDrafter, lookup
 
 
 def _request(tokens: int, text: str = "Hello there", **fields) -> GenerationRequest:
@@ -88,7 +88,7 @@ def test_a_client_that_leaves_frees_its_row(tiny_target):
 
 
 def test_a_failure_reaches_only_its_own_stream(tiny_target):
-    loop = ServingLoop(Scheduler(tiny_target, LoopSettings(), [NgramDrafter(), BrokenDrafter()], k=2))
+    loop = ServingLoop(Scheduler(tiny_target, LoopSettings(), [lookup(), BrokenDrafter()], k=2))
 
     async def go():
         return await asyncio.gather(

@@ -85,6 +85,7 @@ def test_an_engine_error_reaches_the_caller(tokenizer):
         asyncio.run(go())
 
 
+@pytest.mark.slow
 def test_the_engine_runs_off_the_event_loop(engine, tokenizer):
     threads = []
 

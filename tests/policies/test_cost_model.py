@@ -44,7 +44,7 @@ def test_expected_tokens_matches_a_monte_carlo_of_acceptance(alpha, k):
 def test_speedup_is_tokens_over_cost_and_one_for_a_plain_step():
     assert speedup(0.8, 0, c=0.5, v=1.0) == 1.0
     assert speedup(0.8, 4, c=0.05, v=1.2) == pytest.approx(expected_tokens(0.8, 4) / (4 * 0.05 + 1.2))
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"step cost must be positive \(k=0, c=0\.0, v=0\.0\)"):
         speedup(0.5, 0, c=0.0, v=0.0)
 
 
@@ -108,14 +108,14 @@ def test_best_speculative_k_stays_in_range_even_when_it_loses():
     k, gain = best_speculative_k(0.0, 0.1, verify, k_min=1, k_max=3)
     assert k == 1 and gain == pytest.approx(1 / 1.6)
     assert best_speculative_k(0.99, 0.0, [1.0] * 9, k_min=2, k_max=5)[0] == 5
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"need 1 <= k_min <= k_max \(got k_min=0, k_max=3\)"):
         best_speculative_k(0.5, 0.0, verify, k_min=0)
 
 
 def test_verify_costs_pad_to_the_cheapest_wider_pass():
     # Widths 2 and 3 run slower than 4 (as MKL does here): a 1- or 2-draft block pads to width 4.
     assert effective_verify_costs([1.0, 1.6, 2.0, 1.2, 1.3]) == pytest.approx([1.0, 1.2, 1.2, 1.2, 1.3])
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="need positive pass times"):
         effective_verify_costs([1.0, 0.0])
 
 

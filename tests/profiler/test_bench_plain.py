@@ -20,6 +20,17 @@ def test_bench_plain_reports_a_side_by_side_ratio_and_bandwidth(loaded):
     assert bandwidth.matvec_fraction == pytest.approx(bandwidth.achieved_bytes_per_s / bandwidth.matvec_bytes_per_s)
     text = render_report(report)
     assert "ratio" in text and "GB/s achieved" in text and "greedy tokens identical     yes" in text
+    # The measured numbers, formatted, on their own lines.
+    lines = text.splitlines()
+    assert f"  specroute plain engine      {comparison.specroute_tokens_per_s:8.2f} tok/s" in lines
+    assert f"  transformers generate       {comparison.transformers_tokens_per_s:8.2f} tok/s" in lines
+    assert f"  ratio                       {comparison.ratio:8.3f}×" in lines
+    base = report.batches[0].tokens_per_s
+    for p in report.batches:
+        row = [str(p.batch_size), f"{p.tokens_per_s:.1f}", f"{p.step_ms:.1f}", f"{p.tokens_per_s / base:.2f}×"]
+        assert row in [line.split() for line in lines]
+    assert f"= {bandwidth.achieved_bytes_per_s / 1e9:.2f} GB/s achieved" in text
+    assert f"{bandwidth.copy_bytes_per_s / 1e9:.2f} GB/s  →  {bandwidth.fraction:.1%} of it" in text
 
 
 def test_bench_config_rejects_nonsense():

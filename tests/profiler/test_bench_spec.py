@@ -29,6 +29,17 @@ def test_bench_spec_compares_every_configuration_on_the_same_prompts(loaded):
     assert set(report.step_costs_ms) >= {"1", "2", "3", "4"}
     text = render_report(report)
     assert "rag (1 prompts)" in text and "ours over transformers" in text
+    # One row per configuration, in order, with its measured numbers: tok/s, speedup, α, ..., same tokens.
+    rows = text.split("\nrag (1 prompts)\n", 1)[1].split("\n\n", 1)[0].splitlines()[1:]
+    for run, row in zip(category.runs, rows, strict=False):
+        prefix = f"  {run.name:28} "
+        assert row.startswith(prefix), (run.name, row)
+        fields = row[len(prefix) :].split()
+        alpha = "—" if run.acceptance_rate is None else f"{run.acceptance_rate:.2f}"
+        assert fields[:3] == [f"{run.tokens_per_s:.1f}", f"{run.speedup:.2f}×", alpha] and fields[-1] == "yes"
+    auto_fields = rows[2][len(f"  {auto.name:28} ") :].split()
+    assert auto_fields[3:6] == [f"{auto.mean_accepted_length:.2f}", f"{auto.gamma:.3f}", f"{auto.mean_k:.1f}"]
+    assert f"  ours over transformers: ngram k=auto / transformers prompt lookup = {ratio:.2f}×" in rows
 
 
 def test_bench_spec_cli_writes_json(tmp_path, capsys, loaded):
@@ -47,7 +58,7 @@ def test_unknown_category_is_refused(loaded):
 
 
 def test_bench_spec_config_rejects_nonsense():
-    with pytest.raises(ValidationError):
+    with pytest.raises(ValidationError, match=r"(?s)drafters\.0\s+Input should be .*'ngram'"):
         BenchSpecConfig(drafters=["magic"])
-    with pytest.raises(ValidationError):
+    with pytest.raises(ValidationError, match=r"max_tokens\s+Input should be greater than or equal to 2"):
         BenchSpecConfig(max_tokens=1)

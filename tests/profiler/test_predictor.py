@@ -4,7 +4,7 @@ from datetime import UTC, datetime
 import pytest
 
 from policies.profile import AcceptanceSample, CostCurve, ModelSummary, Profile, ProfileError
-from profiler.predictor import AlphaPredictor, UnknownDrafterError, cross_validate, drafter_kind
+from profiler.predictor import AlphaPredictor, UnknownDrafterError, cross_validate
 
 NGRAM = "ngram"
 MODEL = "model:Tiny-135M@bfloat16"
@@ -196,9 +196,6 @@ def test_impossible_observations_are_rejected(predictor):
 
 def test_drafters_can_be_named_by_kind(predictor):
     assert estimate(predictor, drafter="model") == estimate(predictor, drafter=MODEL)
-    assert drafter_kind(MODEL) == "model"
-    assert drafter_kind("early-exit-4") == "early-exit"
-    assert drafter_kind("ngram") == "ngram"
 
 
 def test_ambiguous_kind_and_unknown_drafter_list_the_known_ones(samples):

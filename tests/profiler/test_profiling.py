@@ -1,35 +1,71 @@
 """A small real profile of the embedded model (ngram drafter, every prompt of the set, short
-answers), shared by the tests of the profiler, the α predictor on real data, advise and model-fit."""
+answers), shared by the tests of the profiler, the α predictor on real data, advise and model-fit;
+and the same profile again with its acceptance shipped rather than measured."""
 
 import json
 import math
 
 import pytest
 
-from policies.profile import Profile
+from backends.speculative.factory import build_drafter
+from policies.drafters import SERVED_KINDS, DrafterConfig
+from policies.profile import AcceptanceSeed, Profile, ProfileError
+from profiler import profiling
 from profiler.bench_model_fit import ModelFitConfig, render_model_fit, run_model_fit
 from profiler.predictor import AlphaPredictor
 from profiler.profile_report import render_profile
-from profiler.profiling import ProfileConfig, default_profile_path, run_profile
+from profiler.profiling import (
+    ProfileConfig,
+    default_profile_path,
+    run_profile,
+    seed_fits,
+    seed_path,
+    usable_seed,
+    write_seed,
+)
 from profiler.workloads import load_prompt_set
 from router.cli import main
+
+pytestmark = pytest.mark.slow
 
 COPYING = ("summarization", "rag", "translation", "code")
 FREE = ("chat", "math", "qa")
 
 
+SMALL = ProfileConfig(
+    batches=[1, 2],
+    max_width=4,
+    prefill_lengths=[8, 32],
+    drafters=["ngram", "eagle"],
+    acceptance_k=3,
+    max_tokens=24,
+    quality_tokens=8,
+)
+
+
 @pytest.fixture(scope="module")
 def profile(loaded) -> Profile:
-    config = ProfileConfig(
-        batches=[1, 2],
-        max_width=4,
-        prefill_lengths=[8, 32],
-        drafters=["ngram", "eagle"],
-        acceptance_k=3,
-        max_tokens=24,
-        quality_tokens=8,
-    )
-    return run_profile(config, progress=False)
+    return run_profile(SMALL, progress=False, log=lambda _: None)
+
+
+@pytest.fixture(scope="module")
+def seeds(profile, tmp_path_factory):
+    """The fixture profile's acceptance, shipped as a seed in a folder of its own."""
+    folder = tmp_path_factory.mktemp("seeds")
+    write_seed(profile, seed_path(profile.model.name, folder))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def shipped(loaded, seeds) -> tuple[Profile, list[str]]:
+    """The same settings profiled again with the seed standing in; nothing may measure acceptance."""
+    lines: list[str] = []
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(profiling, "SEEDS_DIR", seeds)
+        patch.setattr(profiling, "measure_acceptance", lambda *a: pytest.fail("acceptance was measured"))
+        patch.setattr(profiling, "measure_quality", lambda *a: pytest.fail("int8 quality was measured"))
+        profile = run_profile(SMALL.model_copy(update={"acceptance": "shipped"}), progress=False, log=lines.append)
+    return profile, lines
 
 
 @pytest.fixture(scope="module")
@@ -115,10 +151,18 @@ def test_report_shows_curves_scaling_and_acceptance(profile):
         "decode step by concurrency",
         "prefill",
         "drafters:",
-        "acceptance",
         "α and ρ predictors",
     ):
         assert section in report
+    assert "acceptance: measured" in report
+    lines = report.splitlines()
+    a = profile.acceptance_for("summarization", "ngram")
+    row = next(line for line in lines if line.split()[:2] == ["summarization", "ngram"])
+    assert row.split()[2:6] == ["3", f"{a.proposal_rate:.2f}", f"{a.alpha:.2f}", f"{a.acceptance_rate:.2f}"]
+    prefill = next(line for line in lines if line.startswith("prefill"))
+    assert f"32 tokens {profile.prefill.seconds[0][1] * 1e3:.0f} ms" in prefill
+    target = next(line for line in lines if line.split()[:1] == ["1"] and len(line.split()) == 5)
+    assert target.split()[1:] == [f"{s * 1e3:.1f}" for s in profile.target.seconds[0]]
 
 
 def test_advise_runs_on_a_real_profile(capsys, profile_path):
@@ -148,7 +192,11 @@ def test_model_fit_sets_measured_against_predicted(profile_path):
         assert 0 <= p.alpha <= 1 and 0 <= p.proposal_rate <= 1
         assert 1 / 3 < p.predicted / p.measured < 3  # loose: 8 tokens per row on a noisy machine
     assert math.isfinite(report.mape) and report.break_even[0].category == "summarization"
-    assert "mean absolute percentage error" in render_model_fit(report)
+    text = render_model_fit(report)
+    assert f"mean absolute percentage error: {report.mape:.1f}% (prediction from the run's α)" in text
+    first = report.points[0]
+    row = next(line for line in text.splitlines() if line.split()[:3] == ["summarization", "1", "1"])
+    assert f"{first.measured:.2f}×" in row and f"{first.predicted:.2f}×" in row and row.endswith("yes")
 
 
 def test_profile_command_writes_where_it_says(capsys, tmp_path):
@@ -212,3 +260,63 @@ def test_model_fit_refuses_bad_settings_before_measuring(capsys, args, message):
     assert main(["bench", "model-fit", *args, "--out", "-"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: invalid model-fit settings:") and message in err
+
+
+def test_shipped_acceptance_stands_in_for_measuring_it(profile, shipped):
+    """Acceptance, samples, predictors and int8 agreement come from the seed; every cost is measured
+    again, and γ (a cost) too, in the short timing run."""
+    seeded, lines = shipped
+    strip = {"gamma"}
+    assert [a.model_dump(exclude=strip) for a in seeded.acceptance] == [
+        a.model_dump(exclude=strip) for a in profile.acceptance
+    ]
+    assert seeded.samples == profile.samples and seeded.predictor == profile.predictor
+    assert seeded.quantized.agreement == profile.quantized.agreement
+    assert all(s > 0 for row in seeded.quantized.curve.seconds for s in row)
+    assert [d.name for d in seeded.drafters] == ["ngram", "eagle"]
+    eagle = seeded.drafter("eagle")
+    assert all(s > 0 for s in eagle.step_seconds)
+    assert all(a.gamma > 0 for a in seeded.acceptance if a.drafter == "eagle")
+    assert seeded.acceptance_source.startswith("shipped with specroute: acceptance of ngram, eagle and int8 agreement")
+    assert any("measuring only this machine's costs" in line for line in lines)
+    assert f"acceptance: {seeded.acceptance_source}" in render_profile(seeded)
+
+
+def test_a_seed_of_other_weights_or_settings_is_measured_instead(loaded, profile, seeds, tmp_path, monkeypatch):
+    path = seed_path(profile.model.name, seeds)
+    seed = AcceptanceSeed.load(path)
+    seed.model_copy(update={"fingerprint": "0" * 64}).save(seed_path(profile.model.name, tmp_path))
+    monkeypatch.setattr(profiling, "SEEDS_DIR", tmp_path)
+    lines: list[str] = []
+    assert usable_seed(loaded, SMALL, lines.append) is None
+    assert lines == [
+        "measuring acceptance too: it was measured on another SmolLM2-135M-Instruct (the weights' fingerprint differs)"
+    ]
+    with pytest.raises(ProfileError, match="cannot use shipped acceptance: .*fingerprint differs"):
+        usable_seed(loaded, SMALL.model_copy(update={"acceptance": "shipped"}), lines.append)
+    monkeypatch.setattr(profiling, "SEEDS_DIR", seeds)
+    assert usable_seed(loaded, SMALL.model_copy(update={"max_tokens": 32}), lines.append) is None
+    assert lines[-1] == "measuring acceptance too: it was measured with other max_tokens"
+    assert usable_seed(loaded, SMALL.model_copy(update={"acceptance": "measure"}), lines.append) is None
+
+
+def test_only_a_measured_profile_of_the_embedded_default_ships(profile, shipped, tmp_path):
+    other = profile.model_copy(update={"model": profile.model.model_copy(update={"name": "Other-1B"})})
+    with pytest.raises(ProfileError, match="acceptance ships only for the embedded default in float32"):
+        write_seed(other, tmp_path / "seed.json")
+    with pytest.raises(ProfileError, match="needs acceptance measured in this run: add --acceptance measure"):
+        write_seed(shipped[0], tmp_path / "seed.json")
+    assert not (tmp_path / "seed.json").exists()
+
+
+def test_the_shipped_seed_lets_a_first_start_skip_acceptance(loaded):
+    """What ships in the package fits the service's first start: the default settings and every
+    drafter the service loads by default, for these very weights."""
+    config = ProfileConfig()
+    seed = usable_seed(loaded, config, lambda _: None)
+    assert seed is not None and seed.dtype == "float32"
+    for kind in SERVED_KINDS:
+        drafter = build_drafter(DrafterConfig().of(kind), loaded)
+        assert seed_fits(seed, config, kind, drafter.name), kind
+    assert seed.quality is not None and seed.quality.method == config.quantization
+    assert {a.category for a in seed.acceptance} == set(load_prompt_set().categories)

@@ -45,6 +45,20 @@ def test_prompt_advice_predicts_alpha_and_prints_a_table(capsys, profile_path):
     assert out.startswith("decision: ")
     assert "why:" in out and "speedup" in out and "TPOT ms" in out
     assert "model (text only, no category given)" in out
+    # The same advice as JSON: its decision and every candidate's numbers appear in the text, formatted.
+    code, raw, _ = advise(capsys, "copy prompt 3", "--profile", str(profile_path), "--json")
+    advice = json.loads(raw)
+    assert code == 0 and out.startswith(f"decision: {advice['backend']}")
+    assert f"decided at the {advice['stage']} stage, concurrency {advice['concurrency']}" in out.splitlines()[0]
+    rows = [line for line in out.splitlines() if line.startswith("  ")]
+    for c in advice["candidates"]:
+        prefix = f"  {c['backend']:12} {c['drafter'] or '—':36} "
+        [row] = [r for r in rows if r.startswith(prefix)]
+        alpha = "—" if c["alpha"] is None else f"{c['alpha']:.2f}"
+        fields = row[len(prefix) :].split()
+        assert fields[:2] == [alpha, f"{c['proposal_rate']:.2f}"] and fields[3] == f"{c['expected_tokens']:.2f}"
+        measured = [f"{c['speedup']:.2f}×", f"{c['tpot_ms']:.1f}", f"{c['latency_ms']:.0f}", f"{c['tokens_per_s']:.1f}"]
+        assert fields[6:10] == measured
 
 
 @pytest.mark.parametrize(

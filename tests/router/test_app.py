@@ -518,7 +518,7 @@ def test_openai_client_gets_a_bad_request_error(oai, pool):
     with pytest.raises(openai.BadRequestError) as caught:
         oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], temperature=3, stop=STOP)
     assert caught.value.status_code == 400 and "temperature" in caught.value.message
-    with pytest.raises(openai.NotFoundError):
+    with pytest.raises(openai.NotFoundError, match="model 'gpt-4o' is not served here: use 'SmolLM2-135M-Instruct'"):
         oai.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "hi"}], stop=STOP)
     assert not pool.calls
 
@@ -740,7 +740,7 @@ def test_the_right_key_is_served_and_healthz_needs_none(keyed):
     client = openai.OpenAI(base_url="http://testserver/v1", api_key="secret", http_client=keyed, max_retries=0)
     assert [m.id for m in client.models.list()] == [MODEL]
     wrong = openai.OpenAI(base_url="http://testserver/v1", api_key="nope", http_client=keyed, max_retries=0)
-    with pytest.raises(openai.AuthenticationError):
+    with pytest.raises(openai.AuthenticationError, match="missing or wrong API key: send 'Authorization: Bearer"):
         wrong.models.list()
 
 

@@ -170,6 +170,17 @@ def test_render_has_a_row_per_mode_and_the_router_comparison(report):
         assert f"c={level}: best fixed " in text and f"c={level}: best overall: " in text
     assert text.count("  auto ") == len(LEVELS)
     assert "router worse than the best fixed backend (by more than 2%) at: " in text
+    # Each cell's row, under its level, carries that cell's measured numbers.
+    sections = {s.split(" ", 1)[0]: s.splitlines() for s in text.split("\n\n")}
+    for cell in report.cells:
+        [row] = [r for r in sections[f"c={cell.level.concurrency}"] if r.split()[:2] == [cell.mode, cell.batching]]
+        assert f" {cell.ttft_ms.p50:.0f} / {cell.ttft_ms.p99:.0f} " in row
+        assert f" {cell.tpot_ms.p50:.1f} / {cell.tpot_ms.p99:.1f} " in row
+        assert row.split()[-3:] == [f"{cell.output_tokens_per_s:.1f}", f"{cell.goodput_rps:.2f}", "2/8"]
+        if cell.mode == "auto":  # 5 of the 6 answered requests went to plain
+            assert "plain 83%" in row and "speculative 17%" in row
+        else:
+            assert f" {cell.mode} 100% " in row
 
 
 def cell(mode: str, tokens_per_s: float, goodput: float, concurrency: int = 8, batching="continuous") -> CellStats:

@@ -5,7 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from router.cli import main
+from policies.drafters import BENCHED_KINDS, KINDS, SERVED_KINDS, DrafterConfig
+from router.cli import build_parser, main
 
 
 def _run(capsys, *argv: str) -> tuple[int, str, str]:
@@ -140,3 +141,26 @@ def test_console_script_is_installed():
     result = subprocess.run([str(script), "--help"], capture_output=True, text=True)
     assert result.returncode == 0
     assert all(command in result.stdout for command in ("setup", "generate", "bench"))
+
+
+@pytest.mark.parametrize("command", [["generate"], ["profile"], ["bench", "spec"], ["bench", "model-fit"]])
+def test_drafter_flags_come_from_the_registry_and_its_config(command):
+    """Every command that builds drafters offers the same flags, with DrafterConfig's defaults."""
+    parser = build_parser()
+    args = parser.parse_args([*command, *(["x"] if command == ["generate"] else [])])
+    defaults = DrafterConfig()
+    for name in DrafterConfig.model_fields.keys() - {"kind"}:
+        assert getattr(args, name) == getattr(defaults, name), name
+    given = parser.parse_args([*command, "--ngram-max", "6", "--drafter-weights", "w/", "--draft-dtype", "float32"])
+    assert (given.ngram_max, given.weights, given.draft_dtype) == (6, "w/", "float32")
+
+
+def test_drafter_choices_and_defaults_are_the_registrys(capsys):
+    parser = build_parser()
+    assert parser.parse_args(["serve"]).drafters == ",".join(SERVED_KINDS)
+    assert parser.parse_args(["profile"]).drafters == ",".join(SERVED_KINDS)
+    assert parser.parse_args(["bench", "spec"]).drafters == ",".join(BENCHED_KINDS)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["generate", "x", "--speculative", "lookahead"])
+    err = capsys.readouterr().err
+    assert "invalid choice: 'lookahead'" in err and all(f"'{kind}'" in err for kind in KINDS)

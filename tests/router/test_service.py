@@ -12,7 +12,10 @@ from typing import Any
 import httpx2 as httpx
 import openai
 import pytest
+import torch
 
+from backends.generation import GenerationRequest
+from backends.plain import prompt_ids
 from tests.router.conftest import POLICY, Service
 
 pytestmark = pytest.mark.slow
@@ -58,22 +61,37 @@ def test_openai_client_chat_completions_and_streaming(service):
     assert chunks[-1].usage.completion_tokens == chat.usage.completion_tokens
 
 
-def test_every_backend_gives_the_greedy_answer_of_the_full_precision_target(service):
+def test_every_backend_gives_the_greedy_answer_of_the_full_precision_target(service, loaded):
+    """Speculation is lossless: token for token the plain answer. int8 is not exact (greedy decoding
+    drifts after its first different choice), so its answer must be a full completion most of whose
+    tokens the full-precision target, reading that answer, would pick itself."""
     api = client(service)
-    answers = {}
+    messages = [{"role": "user", "content": COPY_PROMPT}]
+    replies = {}
     for backend in ("speculative", "plain", "quantized"):
         reply = api.chat.completions.create(
             model=MODEL,
-            messages=[{"role": "user", "content": COPY_PROMPT}],
+            messages=messages,
             max_tokens=24,
             temperature=0,
             extra_body={"specroute": {"backend": backend, "category": "copy"}},
         )
         assert reply.model_extra["specroute"]["backend"] == backend
-        answers[backend] = reply.choices[0].message.content
-    assert answers["speculative"] == answers["plain"]  # lossless
-    stats = reply.model_extra["specroute"]
-    assert stats["stage"] == "forced"
+        assert reply.model_extra["specroute"]["stage"] == "forced"
+        replies[backend] = reply
+    assert replies["speculative"].choices[0].message.content == replies["plain"].choices[0].message.content  # lossless
+
+    int8 = replies["quantized"]
+    text, finish, tokens = int8.choices[0].message.content, int8.choices[0].finish_reason, int8.usage.completion_tokens
+    assert text and 0 < tokens <= 24 and (finish == "stop" or (finish == "length" and tokens == 24)), (finish, tokens)
+    # Teacher-forced, as the profiler measures int8 quality: the float target's greedy choice after each
+    # prefix of the int8 answer. Measured here 0.83 on this prompt (0.79-1.0 over the held-out prompts).
+    prompt = prompt_ids(loaded.tokenizer, GenerationRequest(messages=messages, max_tokens=24))
+    answer = loaded.tokenizer(text, add_special_tokens=False).input_ids
+    with torch.inference_mode():
+        logits = loaded.model(input_ids=torch.tensor([prompt + answer])).logits[0, len(prompt) - 1 : -1]
+    agreement = (logits.argmax(-1) == torch.tensor(answer)).float().mean().item()
+    assert agreement >= 0.5, (agreement, text)
 
 
 @pytest.mark.parametrize("backend", ["speculative", "plain", "quantized"])
@@ -111,7 +129,9 @@ def test_a_lone_copy_request_goes_speculative_and_reports_alpha(service):
     info = reply["specroute"]
     assert info["backend"] == "speculative" and info["stage"] == "speculation" and info["drafter"] == "ngram"
     assert info["concurrency"] == 1 and any("speculat" in r for r in info["reasons"])
-    assert info["draft_tokens"] > 0 and 0 <= info["alpha"] <= 1 and info["accepted_tokens"] >= 0
+    # The answer copies the prompt's list, so prompt lookup's drafts are accepted.
+    assert 0 < info["accepted_tokens"] <= info["draft_tokens"] and 0 < info["alpha"] <= 1
+    assert info["mean_accepted_length"] > 1
 
 
 def test_under_concurrency_the_router_moves_work_to_the_large_batch_backend(service):

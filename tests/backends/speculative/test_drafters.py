@@ -4,7 +4,9 @@ import torch
 from backends.errors import ModelLoadError
 from backends.sampling import SamplingParams
 from backends.speculative.drafters import DraftRow, ModelDrafter, NgramDrafter, early_exit_model
-from backends.speculative.factory import DrafterConfig, build_drafter
+from backends.speculative.factory import build_drafter
+from backends.training.loops import Task
+from policies.drafters import REGISTRY, DrafterConfig, resolve
 
 from ..conftest import tiny_model
 
@@ -125,6 +127,7 @@ def test_early_exit_refuses_a_layer_count_outside_the_target(tiny_target, layers
         early_exit_model(tiny_target.model, layers)
 
 
+@pytest.mark.slow
 def test_factory_refuses_drafting_with_the_target_itself_in_the_same_dtype(loaded):
     config = DrafterConfig(kind="model", draft_model="embedded", draft_dtype="float32")
     with pytest.raises(ModelLoadError, match="target itself"):
@@ -134,3 +137,20 @@ def test_factory_refuses_drafting_with_the_target_itself_in_the_same_dtype(loade
 def test_factory_config_rejects_a_reversed_ngram_range():
     with pytest.raises(ValueError, match="ngram_min"):
         DrafterConfig(ngram_min=5, ngram_max=2)
+
+
+@pytest.mark.parametrize("entry", REGISTRY, ids=lambda e: e.kind)
+def test_every_registry_entry_names_code_that_exists(entry):
+    """Each kind's builder, and for trained kinds its network and training task, resolve."""
+    assert callable(resolve(entry.build))
+    if entry.trained:
+        network, task = resolve(entry.network), resolve(entry.task)
+        assert issubclass(network, torch.nn.Module) and hasattr(network, "from_card")
+        assert issubclass(task, Task) and task.create is not Task.create
+
+
+def test_built_drafters_carry_the_registry_name_through_fresh(tiny_target):
+    drafter = build_drafter(DrafterConfig(kind="early-exit", exit_layer=1), tiny_target)
+    assert drafter.name == "early-exit-1" and drafter.fresh().name == "early-exit-1"
+    lookup = build_drafter(DrafterConfig(kind="ngram"), tiny_target)
+    assert lookup.name == "ngram" and lookup.fresh().name == "ngram"

@@ -11,7 +11,7 @@ from backends.models import load_model
 from backends.plain import PlainEngine
 from backends.sampling import SamplingParams
 from backends.speculative.engine import SpeculativeEngine, step_costs
-from backends.speculative.factory import DrafterConfig, build_drafter
+from backends.speculative.factory import build_drafter
 from backends.speculative.trained import (
     DEFAULTS_DIR,
     DrafterCard,
@@ -27,6 +27,7 @@ from backends.speculative.trained_drafters import EagleDrafter, MedusaDrafter
 from backends.training.data import Sample, extract_features
 from backends.training.loops import EagleTask
 from backends.training.train import TrainConfig, choose_draft_vocab, fit, to_sequences
+from policies.drafters import DrafterConfig
 
 from .test_engine import PROMPTS, _exact_joint, _matches_target, _sample_pairs
 

@@ -1,6 +1,7 @@
 """Self-distillation data: answers are the target's own greedy output, generation resumes from
 its cache, features line up with the tokens and their LM head gives the target's choices."""
 
+import pytest
 import torch
 
 from backends.plain import PlainEngine
@@ -8,6 +9,8 @@ from backends.training.data import _request, data_dir, extract_features, generat
 from backends.training.prompts import training_prompts
 
 from ..conftest import as_loaded, tiny_model
+
+pytestmark = pytest.mark.slow
 
 
 def test_answers_are_the_targets_greedy_output_and_a_rerun_resumes(loaded, tmp_path, monkeypatch):

@@ -8,11 +8,10 @@ from pydantic import ValidationError
 
 from backends.plain import PlainEngine
 from backends.speculative.engine import SpeculativeEngine
-from backends.speculative.factory import DrafterConfig, build_drafter
+from backends.speculative.factory import build_drafter
 from backends.speculative.trained import DrafterCard
 from backends.training.prompts import CATEGORIES, held_out_topic, training_prompts
 from backends.training.train import (
-    KINDS,
     TrainConfig,
     choose_draft_vocab,
     coverage,
@@ -20,6 +19,7 @@ from backends.training.train import (
     render_card,
     train_drafter,
 )
+from policies.drafters import TRAINED_KINDS, DrafterConfig
 from router.cli import main
 
 from ..speculative.test_engine import PROMPTS
@@ -53,10 +53,12 @@ def _config(kind: str, workdir, **overrides) -> TrainConfig:
 def trained(loaded, workdir):
     """All three kinds on one shared self-distillation cache (generated once, by the first)."""
     lines: list[str] = []
-    return {kind: train_drafter(_config(kind, workdir), loaded, progress=False, log=lines.append) for kind in KINDS}
+    return {
+        kind: train_drafter(_config(kind, workdir), loaded, progress=False, log=lines.append) for kind in TRAINED_KINDS
+    }
 
 
-@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("kind", TRAINED_KINDS)
 def test_training_beats_the_untrained_drafter_on_held_out_topics(trained, kind):
     path, card = trained[kind]
     held = card.held_out
@@ -69,16 +71,20 @@ def test_training_beats_the_untrained_drafter_on_held_out_topics(trained, kind):
     assert path.exists() and path.stat().st_size < 12 * 2**20
 
 
-@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("kind", TRAINED_KINDS)
 def test_the_card_on_disk_is_what_training_returned(trained, kind):
     path, card = trained[kind]
     assert DrafterCard.model_validate_json(path.with_suffix(".json").read_text()) == card
-    assert card.kind == KINDS[kind] and card.vocab_size == 49152
+    assert card.kind == kind and card.vocab_size == 49152
     text = render_card(card)
-    assert "held-out top-1" in text and "coverage" in text and "held-out α" in text
+    assert f"draft vocabulary {card.draft_vocab_size:,} of 49,152" in text
+    assert f"held-out top-1 by draft position: {card.held_out.top1_by_position[0]:.3f}" in text
+    assert f"coverage of held-out target tokens: {card.held_out.coverage:.1%}" in text
+    alphas = ", ".join(f"{c} {a:.2f}" for c, a in card.held_out.alpha_by_category.items())
+    assert f"held-out α at k = 4 (greedy speculative runs): {alphas}" in text
 
 
-@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("kind", TRAINED_KINDS)
 def test_a_freshly_trained_drafter_is_lossless(loaded, trained, kind):
     path, card = trained[kind]
     drafter = build_drafter(DrafterConfig(kind=card.kind, weights=str(path.parent)), loaded)
@@ -122,9 +128,18 @@ def test_bad_settings_are_refused_before_any_work(loaded, workdir):
     with pytest.raises(ValidationError, match="kind"):
         TrainConfig(kind="lookahead")
     with pytest.raises(ValueError, match="exit_layer must be between 1 and 29"):
-        train_drafter(_config("early-exit", workdir, exit_layer=30), loaded, progress=False, log=lambda _: None)
+        train_drafter(_config("early-exit-adapter", workdir, exit_layer=30), loaded, progress=False, log=lambda _: None)
+    with pytest.raises(ValidationError, match="early-exit-adapter"):  # the untrained early exit has nothing to train
+        TrainConfig(kind="early-exit")
 
 
 def test_the_cli_reports_bad_flags_with_exit_code_2(capsys):
     assert main(["train-drafter", "--kind", "medusa", "--minutes", "0"]) == 2
     assert "minutes" in capsys.readouterr().err
+
+
+def test_the_cli_offers_exactly_the_trained_kinds(capsys):
+    with pytest.raises(SystemExit):
+        main(["train-drafter", "--kind", "early-exit"])
+    err = capsys.readouterr().err
+    assert "invalid choice: 'early-exit'" in err and all(kind in err for kind in TRAINED_KINDS)
