@@ -71,17 +71,29 @@ class DraftCosts:
     smoothing: float = 0.2
     step_s: dict[int, float] = field(default_factory=dict)
     catch_up_token_s: float | None = None
+    # Buckets whose step time so far comes only from catch-up calls (an overestimate): the first
+    # steady call replaces it rather than being averaged with it.
+    provisional: set[int] = field(default_factory=set)
 
     def record(self, batch: int, steps: int, seconds: float, backlog: int = 0) -> None:
         """A draft call of `steps` sequential steps for `batch` rows took `seconds`, `backlog`
-        tokens of it catching up: a steady call (no backlog) times the steps, the rest of a
-        catch-up call (once a steady time is known) times the catching up."""
+        tokens of it reading context first. A steady call — reading no more than what the last
+        verification accepted, at most steps + 1 tokens a row — times the steps; the rest of a
+        catch-up call (a row that joined or went without drafts; once a steady time is known)
+        times the catching up. Until a bucket has seen a steady call, its step time is the
+        catch-up call's, marked provisional."""
         if steps <= 0:
             return
         bucket = batch_bucket(batch)
-        if not backlog or bucket not in self.step_s:
+        steady = backlog <= batch * (steps + 1)
+        if steady and bucket in self.provisional:
+            self.provisional.discard(bucket)
+            self.step_s[bucket] = seconds / steps
+        elif steady or bucket not in self.step_s:
             self.step_s[bucket] = self._smoothed(self.step_s.get(bucket), seconds / steps)
-        if backlog:
+            if not steady:
+                self.provisional.add(bucket)
+        if not steady:
             per_token = max(seconds - steps * self.step_s[bucket], 0.0) / backlog
             self.catch_up_token_s = self._smoothed(self.catch_up_token_s, per_token)
 

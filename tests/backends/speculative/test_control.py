@@ -70,6 +70,20 @@ def test_catching_up_is_timed_apart_from_the_steady_draft_step():
     assert first.step_s[2] == pytest.approx(0.25) and first.catch_up_token_s == 0.0
 
 
+def test_the_first_steady_call_replaces_a_step_time_known_only_from_catching_up():
+    """A bucket first seen in a catch-up call (a row joining: its prompt read into the drafter's
+    cache) holds an overestimate; averaging it in would spoil short runs, so it is replaced."""
+    drafts = DraftCosts()
+    drafts.record(16, steps=8, seconds=4.0, backlog=1400)
+    assert drafts.step_s[16] == pytest.approx(0.5) and drafts.provisional == {16}
+    drafts.record(16, steps=8, seconds=0.4)
+    assert drafts.step_s[16] == pytest.approx(0.05) and not drafts.provisional
+    drafts.record(16, steps=8, seconds=0.8)  # from now on, the moving average
+    assert drafts.step_s[16] == pytest.approx(0.8 * 0.05 + 0.2 * 0.1)
+    drafts.record(16, steps=8, seconds=4.0, backlog=1400)
+    assert drafts.step_s[16] == pytest.approx(0.06) and drafts.catch_up_token_s > 0
+
+
 def test_acceptance_counts_the_rejected_token_as_judged():
     outlook = DraftOutlook(RateEstimate(prior_mean=0.5, prior_weight=2.0, decay=1.0))
     outlook.observe(asked=4, drafted=4, accepted=4)  # 4 trials, all accepted
