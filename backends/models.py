@@ -4,7 +4,10 @@ step, so every load also returns a `ModelInfo`."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import asdict, dataclass
+from functools import cached_property
 from pathlib import Path
 
 import torch
@@ -38,6 +41,31 @@ class LoadedModel:
     model: PreTrainedModel
     tokenizer: PreTrainedTokenizerBase
     info: ModelInfo
+
+    @cached_property
+    def fingerprint(self) -> str:
+        """`weights_fingerprint` of this model, computed once."""
+        return weights_fingerprint(self.model, self.tokenizer)
+
+
+def weights_fingerprint(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> str:
+    """A hex digest of what a drafter or shipped acceptance depends on: the architecture's sizes, the vocabulary and a
+    few weight tensors (rounded to bfloat16 first, so float32 and bfloat16 loads of one model
+    agree)."""
+    config = model.config
+    digest = hashlib.sha256()
+    dims = {k: getattr(config, k, None) for k in ("model_type", "hidden_size", "num_hidden_layers", "vocab_size")}
+    digest.update(json.dumps(dims, sort_keys=True).encode())
+    digest.update(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
+    decoder = model.model
+    for tensor in (
+        decoder.embed_tokens.weight,
+        decoder.norm.weight,
+        decoder.layers[0].self_attn.q_proj.weight,
+        decoder.layers[-1].mlp.down_proj.weight,
+    ):
+        digest.update(tensor.detach().to("cpu", torch.bfloat16).contiguous().view(torch.int16).numpy().tobytes())
+    return digest.hexdigest()
 
 
 def load_model(

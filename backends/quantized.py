@@ -40,7 +40,6 @@ from torch import nn
 from .embedded import specroute_home
 from .errors import ModelLoadError
 from .models import LoadedModel
-from .speculative.trained import fingerprint
 
 QuantMethod = Literal["smoothquant", "smoothquant-fp32-down", "dynamic"]
 QUANT_METHODS: tuple[str, ...] = ("smoothquant", "smoothquant-fp32-down", "dynamic")
@@ -114,7 +113,7 @@ def _cached_maxima(
     if cache_dir is None:
         return _activation_maxima(model, calibration)
     key = hashlib.sha256()
-    key.update(fingerprint(loaded.model, loaded.tokenizer).encode())
+    key.update(loaded.fingerprint.encode())
     key.update(json.dumps([loaded.info.dtype, list(map(list, calibration))]).encode())
     path = cache_dir / f"activation-maxima-{key.hexdigest()[:24]}.safetensors"
     if path.is_file():

@@ -218,7 +218,7 @@ class AcceptanceSeed(_Frozen):
     version: Literal[1] = PROFILE_VERSION
     created: datetime
     model: str = Field(description="the target's name")
-    fingerprint: str = Field(description="the target's fingerprint (backends.speculative.trained.fingerprint)")
+    fingerprint: str = Field(description="the target's fingerprint (backends.models.weights_fingerprint)")
     dtype: Literal["float32"] = "float32"
     machine: dict[str, str | int | float | None] = Field(description="where it was measured")
     libraries: dict[str, str]

@@ -38,7 +38,6 @@ from backends.speculative.drafters import Drafter, ModelDrafter
 from backends.speculative.engine import K_LIMIT, SpeculativeEngine, measure_step_times
 from backends.speculative.factory import build_drafter
 from backends.speculative.stats import SpeculationStats
-from backends.speculative.trained import fingerprint
 from policies.drafters import SERVED_KINDS, DrafterConfig, DrafterKind, spec
 from policies.profile import (
     AcceptanceProfile,
@@ -213,7 +212,7 @@ def _seed_problem(seed: AcceptanceSeed | None, loaded: LoadedModel, config: Prof
         return f"none ships for {loaded.info.name}"
     if loaded.info.dtype != seed.dtype:
         return f"it was measured in {seed.dtype}, the target runs in {loaded.info.dtype}"
-    if seed.fingerprint != fingerprint(loaded.model, loaded.tokenizer):
+    if seed.fingerprint != loaded.fingerprint:
         return f"it was measured on another {seed.model} (the weights' fingerprint differs)"
     asked = config.model_dump(mode="json")
     differ = [name for name in SEED_SETTINGS if seed.settings.get(name) != asked[name]]
@@ -468,5 +467,5 @@ def _model_summary(loaded: LoadedModel) -> ModelSummary:
         parameters=info.parameters,
         weight_bytes=info.weight_bytes,
         threads=torch.get_num_threads(),
-        fingerprint=fingerprint(loaded.model, loaded.tokenizer),
+        fingerprint=loaded.fingerprint,
     )

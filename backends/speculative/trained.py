@@ -1,12 +1,10 @@
 """Trained drafters' weights: the networks (EAGLE head, Medusa heads, early-exit adapter), the
-JSON card that travels with them, and the target fingerprint that ties a drafter to the target
-it learned from."""
+JSON card that travels with them, checked against the target's fingerprint
+(`backends.models.weights_fingerprint`) that ties a drafter to the target it learned from."""
 
 from __future__ import annotations
 
 import copy
-import hashlib
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,26 +18,7 @@ from transformers.cache_utils import Cache
 from policies.drafters import TrainedKind, resolve, spec
 
 from ..errors import ModelLoadError
-
-
-def fingerprint(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> str:
-    """A hex digest of what a drafter depends on: the architecture's sizes, the vocabulary and a
-    few weight tensors (rounded to bfloat16 first, so float32 and bfloat16 loads of one model
-    agree)."""
-    config = model.config
-    digest = hashlib.sha256()
-    dims = {k: getattr(config, k, None) for k in ("model_type", "hidden_size", "num_hidden_layers", "vocab_size")}
-    digest.update(json.dumps(dims, sort_keys=True).encode())
-    digest.update(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
-    decoder = model.model
-    for tensor in (
-        decoder.embed_tokens.weight,
-        decoder.norm.weight,
-        decoder.layers[0].self_attn.q_proj.weight,
-        decoder.layers[-1].mlp.down_proj.weight,
-    ):
-        digest.update(tensor.detach().to("cpu", torch.bfloat16).contiguous().view(torch.int16).numpy().tobytes())
-    return digest.hexdigest()
+from ..models import weights_fingerprint
 
 
 class DraftVocab(torch.nn.Module):
@@ -303,7 +282,7 @@ def load_drafter(
         card = DrafterCard.model_validate_json(card_path(path).read_text(encoding="utf-8"))
     except (OSError, ValueError) as error:
         raise ModelLoadError(f"cannot read the drafter card {card_path(path)}: {error}") from error
-    mine = fingerprint(target, tokenizer)
+    mine = weights_fingerprint(target, tokenizer)
     if card.fingerprint != mine:
         raise ModelLoadError(
             f"the {card.kind} drafter at {path} was trained for another target ({card.target}, fingerprint "

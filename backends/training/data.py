@@ -20,7 +20,6 @@ from ..kv import capture_hidden_states
 from ..models import LoadedModel
 from ..plain import PlainEngine, left_pad, position_ids
 from ..speculative.drafters import early_exit_model
-from ..speculative.trained import fingerprint
 from .prompts import TrainingPrompt
 
 
@@ -41,7 +40,7 @@ class Sample:
 
 def data_dir(loaded: LoadedModel, root: Path | None = None) -> Path:
     base = root or specroute_home() / "drafter-data"
-    return base / f"{fingerprint(loaded.model, loaded.tokenizer)[:16]}-{loaded.info.dtype}"
+    return base / f"{loaded.fingerprint[:16]}-{loaded.info.dtype}"
 
 
 def load_samples(path: Path) -> list[Sample]:

@@ -25,7 +25,7 @@ from ..generation import ChatMessage, GenerationRequest
 from ..models import LoadedModel
 from ..speculative.engine import SpeculativeEngine, step_costs
 from ..speculative.factory import build_drafter
-from ..speculative.trained import DrafterCard, DraftVocab, HeldOut, fingerprint, save_drafter
+from ..speculative.trained import DrafterCard, DraftVocab, HeldOut, save_drafter
 from .data import Sample, data_dir, extract_features, generate_samples
 from .loops import IGNORE, Metrics, Sequences, Task, autocast
 from .prompts import CATEGORIES, TrainingPrompt, held_out_topic, training_prompts
@@ -299,7 +299,7 @@ def train_drafter(
     card = DrafterCard(
         kind=kind,
         target=loaded.info.name,
-        fingerprint=fingerprint(model, loaded.tokenizer),
+        fingerprint=loaded.fingerprint,
         vocab_size=vocab,
         hidden_size=model.config.hidden_size,
         draft_vocab_size=len(draft_ids),

@@ -20,7 +20,6 @@ from backends.speculative.trained import (
     HeldOut,
     TrainedDrafter,
     default_weights,
-    fingerprint,
     load_drafter,
 )
 from backends.speculative.trained_drafters import EagleDrafter, MedusaDrafter
@@ -83,7 +82,7 @@ def test_shipped_drafters_are_small_carry_a_card_and_fit_the_embedded_target(loa
     assert path.parent.parent == DEFAULTS_DIR
     assert path.stat().st_size < 12 * 2**20
     card = DrafterCard.model_validate_json(path.with_suffix(".json").read_text())
-    assert card.kind == kind and card.fingerprint == fingerprint(loaded.model, loaded.tokenizer)
+    assert card.kind == kind and card.fingerprint == loaded.fingerprint
     assert card.held_out.top1_by_position[0] > card.held_out.untrained_top1
     assert set(card.held_out.alpha_by_category) == {"chat", "code", "math", "qa"}
     assert 0.9 < card.held_out.coverage <= 1.0
@@ -92,8 +91,8 @@ def test_shipped_drafters_are_small_carry_a_card_and_fit_the_embedded_target(loa
 
 def test_the_fingerprint_ignores_dtype_but_not_the_weights(loaded, tiny_target):
     bf16 = load_model("embedded", dtype="bfloat16")
-    assert fingerprint(bf16.model, bf16.tokenizer) == fingerprint(loaded.model, loaded.tokenizer)
-    assert fingerprint(tiny_target.model, tiny_target.tokenizer) != fingerprint(loaded.model, loaded.tokenizer)
+    assert bf16.fingerprint == loaded.fingerprint
+    assert tiny_target.fingerprint != loaded.fingerprint
 
 
 @pytest.mark.parametrize("kind", TRAINED)
@@ -147,7 +146,7 @@ def tiny_eagle(tiny_target) -> TrainedDrafter:
     card = DrafterCard(
         kind="eagle",
         target="tiny",
-        fingerprint=fingerprint(target.model, target.tokenizer),
+        fingerprint=target.fingerprint,
         vocab_size=vocab,
         hidden_size=target.model.config.hidden_size,
         draft_vocab_size=len(ids),
