@@ -149,8 +149,9 @@ def _drafter_options(args: argparse.Namespace, kind: str | None = None) -> Draft
     return DrafterConfig(**options, **({"kind": kind} if kind is not None else {}))
 
 
-def _kinds_help(kinds: tuple[str, ...]) -> str:
-    return ",".join(kinds)
+def _add_drafters_flag(parser: argparse.ArgumentParser, default: tuple[str, ...], what: str) -> None:
+    """--drafters: a comma-separated list of registry kinds, defaulting to one of its sets."""
+    parser.add_argument("--drafters", default=",".join(default), help=f"comma-separated {what} ({', '.join(KINDS)})")
 
 
 def _add_profile_args(parser: argparse.ArgumentParser) -> None:
@@ -158,11 +159,7 @@ def _add_profile_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batches", default="1,2,4,8,16,32,64", help="batch sizes of the cost curves")
     parser.add_argument("--max-width", type=int, default=9, help="widest pass measured (k up to max-width - 1)")
     parser.add_argument("--prefill-lengths", default="16,64,256,1024", help="prompt lengths timed for TTFT")
-    parser.add_argument(
-        "--drafters",
-        default=_kinds_help(SERVED_KINDS),
-        help=f"comma-separated drafters to profile ({', '.join(KINDS)})",
-    )
+    _add_drafters_flag(parser, SERVED_KINDS, "drafters to profile")
     parser.add_argument("--acceptance-k", type=int, default=8, help="k each drafter runs at to measure acceptance")
     parser.add_argument("--max-tokens", type=int, default=64, help="tokens per prompt in the acceptance runs")
     parser.add_argument("--categories", help="comma-separated categories (default: all)")
@@ -257,9 +254,7 @@ def _add_bench_spec_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=96, help="upper bound per request (EOS ends earlier)")
     parser.add_argument("--categories", help="comma-separated categories (default: all)")
     parser.add_argument("--prompts", type=int, default=3, help="prompts per category")
-    parser.add_argument(
-        "--drafters", default=_kinds_help(BENCHED_KINDS), help=f"comma-separated drafters ({', '.join(KINDS)})"
-    )
+    _add_drafters_flag(parser, BENCHED_KINDS, "drafters to bench")
     parser.add_argument("--fixed-k", type=int, default=4, help="the fixed k each drafter also runs at")
     parser.add_argument("--k-max", type=int, default=8, help="largest k that auto may choose")
     _add_drafter_args(parser)
@@ -275,11 +270,7 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--profile", help="profile JSON (default: SPECROUTE_HOME/profiles/…; measured if missing)")
     parser.add_argument("--policy", help="policy YAML (default: the built-in policy, as in deploy/policy.yaml)")
     parser.add_argument("--max-batch", type=int, default=32, help="most requests one backend batch takes")
-    parser.add_argument(
-        "--drafters",
-        default=_kinds_help(SERVED_KINDS),
-        help=f"drafters the speculative backend loads ({', '.join(KINDS)})",
-    )
+    _add_drafters_flag(parser, SERVED_KINDS, "drafters the speculative backend loads")
     parser.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (default: $SPECROUTE_API_KEY)")
     _add_model_args(parser)
 
