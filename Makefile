@@ -8,7 +8,7 @@ PROMPT ?= What is the capital of France?
 # a CPU build, e.g. make test TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu"
 TORCH_PIP_ARGS ?=
 
-.PHONY: install model run generate test lint bench drafters clean
+.PHONY: install model run generate test lint bench drafters clean browser
 
 # torch goes in first and pinned, so the project's `torch>=2.4` is already satisfied and pip
 # never resolves a bare `torch` requirement to a multi-GB CUDA build.
@@ -32,7 +32,13 @@ run: model
 generate: model
 	$(BIN)/specroute generate "$(PROMPT)"
 
-test: model
+# The report tests render HTML in headless Chromium (tests/chromium.py): install Debian's chromium
+# when no chromium is on PATH (apt-get, through sudo unless root); a no-op when one is.
+SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
+browser:
+	command -v chromium >/dev/null 2>&1 || { $(SUDO) apt-get update && $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends chromium; }
+
+test: model browser
 	$(BIN)/ruff check .
 	$(BIN)/pytest
 

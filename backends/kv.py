@@ -79,8 +79,7 @@ class PagedCache:
         parameter = next(model.parameters())
         self.device, self.dtype = parameter.device, _cache_dtype(model)
         self.layers = config.num_hidden_layers
-        heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        self.head_shape = (heads, getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+        self.head_shape = kv_head_shape(config)
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         self.free: list[int] = []
@@ -314,6 +313,19 @@ def check_full_attention(model: PreTrainedModel) -> None:
             f"the step loop needs full-attention layers; {type(model).__name__} uses sliding-window or "
             "linear-attention layers, whose state cannot be kept in blocks and rolled back"
         )
+
+
+def kv_head_shape(config: object) -> tuple[int, int]:
+    """(key/value heads, head size) of a model's attention layers."""
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    return heads, getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def kv_bytes_per_token(model: torch.nn.Module) -> int:
+    """Bytes one cached token takes in a `PagedCache` of this model: keys and values, every layer."""
+    heads, head_dim = kv_head_shape(model.config)
+    itemsize = torch.empty((), dtype=_cache_dtype(model)).element_size()
+    return 2 * model.config.num_hidden_layers * heads * head_dim * itemsize
 
 
 def _cache_dtype(model: torch.nn.Module) -> torch.dtype:

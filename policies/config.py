@@ -24,7 +24,7 @@ from .errors import UserError
 
 # Errors raised by our own validators carry this type: their message is already complete, and a
 # rule spanning several fields names them in ctx["path"] because its pydantic loc is the parent.
-_RULE = "policy_rule"
+RULE_ERROR = "policy_rule"
 
 
 class PolicyError(UserError):
@@ -70,11 +70,12 @@ class SpeculationConfig(_Section):
     def _drafters(cls, drafters: list[str], info: ValidationInfo) -> list[str]:
         duplicates = sorted({d for d in drafters if drafters.count(d) > 1})
         if duplicates:
-            raise PydanticCustomError(_RULE, f"listed more than once: {', '.join(duplicates)}")
+            raise PydanticCustomError(RULE_ERROR, f"listed more than once: {', '.join(duplicates)}")
         # `enabled` is declared first, so it is already validated here (absent only if it was invalid).
         if not drafters and info.data.get("enabled", False):
             raise PydanticCustomError(
-                _RULE, "needs at least one drafter while speculation is enabled (or set speculation.enabled: false)"
+                RULE_ERROR,
+                "needs at least one drafter while speculation is enabled (or set speculation.enabled: false)",
             )
         return drafters
 
@@ -84,7 +85,7 @@ class SpeculationConfig(_Section):
         # Checked on k_max rather than the model so the error names the field to change.
         k_min = info.data.get("k_min")
         if k_min is not None and k_max < k_min:
-            raise PydanticCustomError(_RULE, f"must be at least k_min ({k_min}), got {k_max}")
+            raise PydanticCustomError(RULE_ERROR, f"must be at least k_min ({k_min}), got {k_max}")
         return k_max
 
 
@@ -169,7 +170,7 @@ class PolicyConfig(_Section):
     def _has_fallback(self) -> PolicyConfig:
         if not (self.speculation.enabled or self.batching.enabled):
             raise PydanticCustomError(
-                _RULE,
+                RULE_ERROR,
                 "at least one must be true (plain decoding is the fallback every other choice is compared with)",
                 {"path": "speculation.enabled, batching.enabled"},
             )
@@ -197,15 +198,15 @@ def parse_policy(data: object, source: str = "policy") -> PolicyConfig:
     try:
         return PolicyConfig.model_validate(data)
     except ValidationError as exc:
-        raise PolicyError(source, [_describe(e) for e in exc.errors()]) from None
+        raise PolicyError(source, [describe_error(e, PolicyConfig) for e in exc.errors()]) from None
 
 
 def policy_from_yaml(text: str, source: str = "policy") -> PolicyConfig:
     """Parse and validate a policy given as YAML text."""
     try:
-        data = yaml.load(text, Loader=_StrictLoader)  # a SafeLoader: builds plain data only
+        data = yaml.load(text, Loader=StrictLoader)  # a SafeLoader: builds plain data only
     except yaml.MarkedYAMLError as exc:
-        raise PolicyError(source, [_yaml_problem(exc)]) from None
+        raise PolicyError(source, [yaml_problem(exc)]) from None
     except yaml.YAMLError as exc:
         raise PolicyError(source, [f"not valid YAML: {exc}"]) from None
     return parse_policy(data, source)
@@ -227,7 +228,7 @@ def load_policy(path: str | Path) -> PolicyConfig:
     return policy_from_yaml(text, source=str(path))
 
 
-class _StrictLoader(yaml.SafeLoader):
+class StrictLoader(yaml.SafeLoader):
     """SafeLoader that refuses duplicate keys: PyYAML would silently keep the last one."""
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Hashable, Any]:
@@ -242,30 +243,31 @@ class _StrictLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
-def _yaml_problem(exc: yaml.MarkedYAMLError) -> str:
+def yaml_problem(exc: yaml.MarkedYAMLError) -> str:
     mark = exc.problem_mark or exc.context_mark
     where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "unknown position"
     context = f" ({exc.context})" if exc.context else ""
     return f"YAML syntax error at {where}: {exc.problem}{context}"
 
 
-def _describe(error: ErrorDetails) -> str:
-    """One `<dotted.path>: <what is wrong>` line for a pydantic error."""
+def describe_error(error: ErrorDetails, root: type[BaseModel]) -> str:
+    """One `<dotted.path>: <what is wrong>` line for a pydantic error of the file `root` validates
+    (the policy here, the workload file in `policies.workload`)."""
     loc = error["loc"]
     ctx = error.get("ctx") or {}
     path = ctx.get("path") or _dotted(loc) or "(top level)"
     if error["type"] == "extra_forbidden":
-        return f"{path}: {_unknown_key(loc)}"
-    if error["type"] == _RULE:
+        return f"{path}: {_unknown_key(loc, root)}"
+    if error["type"] == RULE_ERROR:
         return f"{path}: {error['msg']}"
-    if error["type"] == "model_type" and (section := _section_at(loc)) is not None:
+    if error["type"] == "model_type" and (section := _section_at(loc, root)) is not None:
         # pydantic would name the class; the user needs the keys the section takes.
         return f"{path}: should be a mapping with keys {', '.join(section.model_fields)} (got {_short(error['input'])})"
     return f"{path}: {error['msg']} (got {_short(error['input'])})"
 
 
-def _unknown_key(loc: tuple[int | str, ...]) -> str:
-    section = _section_at(loc[:-1])
+def _unknown_key(loc: tuple[int | str, ...], root: type[BaseModel]) -> str:
+    section = _section_at(loc[:-1], root)
     if section is None:
         return "unknown key"
     allowed = list(section.model_fields)
@@ -274,9 +276,9 @@ def _unknown_key(loc: tuple[int | str, ...]) -> str:
     return f"{message}; did you mean {close[0]}?" if close else message
 
 
-def _section_at(loc: tuple[int | str, ...]) -> type[BaseModel] | None:
+def _section_at(loc: tuple[int | str, ...], root: type[BaseModel]) -> type[BaseModel] | None:
     """The model class that validates the mapping at `loc`, or None if `loc` leads elsewhere."""
-    model: type[BaseModel] = PolicyConfig
+    model: type[BaseModel] = root
     for key in loc:
         field = model.model_fields.get(str(key))
         annotation = field.annotation if field else None

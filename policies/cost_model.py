@@ -23,6 +23,11 @@ import numpy as np
 
 def expected_tokens(alpha: float | np.ndarray, k: int | np.ndarray) -> float | np.ndarray:
     """E(α, k): mean tokens a step emits (accepted drafts + the resampled or bonus token)."""
+    if isinstance(alpha, float | int) and isinstance(k, int | float):
+        # Scalars are the policy's hot path (every decision scores each k): plain floats, same
+        # formula and the same α ≈ 1 tolerance as np.isclose's defaults below.
+        a = min(max(float(alpha), 0.0), 1.0)
+        return float(k) + 1.0 if abs(a - 1.0) <= 1e-8 + 1e-5 else (1.0 - a ** (float(k) + 1.0)) / (1.0 - a)
     alpha = np.clip(np.asarray(alpha, dtype=float), 0.0, 1.0)
     k = np.asarray(k, dtype=float)
     # At α = 1 the series 1 + α + … + α^k sums to k + 1; the closed form would divide by zero.

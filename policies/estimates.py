@@ -3,7 +3,7 @@ profile and the cost model: the numbers behind every decision and every `advise`
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, get_args
 
 from pydantic import BaseModel, Field
 
@@ -18,6 +18,7 @@ from .cost_model import (
 from .profile import DrafterProfile, Profile
 
 Backend = Literal["speculative", "plain", "quantized"]
+BACKENDS: tuple[Backend, ...] = get_args(Backend)
 
 
 class Candidate(BaseModel):

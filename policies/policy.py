@@ -112,9 +112,9 @@ def decide(features: RequestFeatures, load: LoadSnapshot, profile: Profile, conf
 
 
 def _break_even(costs: ProfileCosts, specs: list[Candidate], config: PolicyConfig, b: int) -> dict[str, int | None]:
-    k_range, b_max = _k_range(costs, config), max(config.batching.max_batch, b)
+    ks, b_max = k_range(costs, config), max(config.batching.max_batch, b)
     return {
-        c.drafter: speculation_break_even(costs, costs.profile.drafter(c.drafter), c, k_range, b_max)
+        c.drafter: speculation_break_even(costs, costs.profile.drafter(c.drafter), c, ks, b_max)
         for c in specs
         if c.drafter is not None
     }
@@ -140,7 +140,7 @@ def _speculative_candidates(
     spec = config.speculation
     if not spec.enabled:
         return []
-    k_range = _k_range(costs, config, reasons)
+    ks = k_range(costs, config, reasons)
     out = []
     for kind in spec.drafters:
         try:
@@ -159,11 +159,11 @@ def _speculative_candidates(
         if rho is None:
             rho = costs.profile.proposal_rate(drafter.name, features.category if _profiled(features, costs) else None)
         args = (costs, drafter, alpha.alpha, alpha.source, rho, b, features.prompt_tokens, features.max_tokens)
-        out.append(speculative_candidate(*args, k_range=k_range))
+        out.append(speculative_candidate(*args, k_range=ks))
     return out
 
 
-def _k_range(costs: ProfileCosts, config: PolicyConfig, reasons: list[str] | None = None) -> tuple[int, int]:
+def k_range(costs: ProfileCosts, config: PolicyConfig, reasons: list[str] | None = None) -> tuple[int, int]:
     """The policy's k range within what the profile measured (a (k+1)-token pass needs its time)."""
     spec, widest = config.speculation, costs.target.max_width - 1
     k_max = min(spec.k_max, widest)

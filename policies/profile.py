@@ -99,6 +99,9 @@ class DrafterProfile(_Frozen):
     step_seconds: list[float] = Field(min_length=1, description="one draft step (one token per sequence)")
     probed_seconds: list[float] | None = Field(None, description="a bare forward pass of the draft model, by batch")
     calibration: float = Field(1.0, gt=0, description="step_seconds over probed_seconds: the in-run overhead")
+    weight_bytes: int | None = Field(
+        None, ge=0, description="memory its weights add to a replica beyond the target's (None: not recorded)"
+    )
 
     @model_validator(mode="after")
     def _shape(self) -> DrafterProfile:
@@ -182,6 +185,7 @@ class QuantizedProfile(_Frozen):
         ge=0, le=1, description="teacher-forced top-1 agreement with the full-precision target on held-out text"
     )
     perplexity_delta: float | None = Field(None, description="relative perplexity change on a text set")
+    weight_bytes: int | None = Field(None, ge=0, description="the quantized model's weights (None: not recorded)")
 
 
 class ModelSummary(_Frozen):
@@ -192,6 +196,9 @@ class ModelSummary(_Frozen):
     weight_bytes: int
     threads: int
     fingerprint: str | None = Field(None, description="the weights' fingerprint (what shipped acceptance is tied to)")
+    kv_bytes_per_token: int | None = Field(
+        None, ge=0, description="KV-cache bytes one cached token takes, keys and values over every layer"
+    )
 
 
 class DrafterName(_Frozen):

@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 from backends.embedded import EMBEDDED_NAME, specroute_home
 from backends.generation import GenerationRequest, GenerationResult
-from backends.kv import PagedCache
+from backends.kv import PagedCache, kv_bytes_per_token
 from backends.models import LoadedModel, load_model
 from backends.plain import PlainEngine
 from backends.quantized import QuantMethod, calibration_cache, measure_quality, quantize
@@ -304,7 +304,11 @@ def measure_quantized(
     curve = measure_curve(int8, config, [1], f"int8 {method} t(b, 1)", progress)
     if shipped is not None:
         return QuantizedProfile(
-            method=method, curve=curve, agreement=shipped.agreement, perplexity_delta=shipped.perplexity_delta
+            method=method,
+            curve=curve,
+            agreement=shipped.agreement,
+            perplexity_delta=shipped.perplexity_delta,
+            weight_bytes=int8.info.weight_bytes,
         )
     requests = [_request(p, config.quality_tokens) for p in evaluation]
     answers = engine.generate(requests)
@@ -312,7 +316,11 @@ def measure_quantized(
     texts = [m.content for p in evaluation for m in p.messages]
     quality = measure_quality(loaded, int8, sequences, texts)
     return QuantizedProfile(
-        method=method, curve=curve, agreement=quality.agreement, perplexity_delta=quality.perplexity_delta
+        method=method,
+        curve=curve,
+        agreement=quality.agreement,
+        perplexity_delta=quality.perplexity_delta,
+        weight_bytes=int8.info.weight_bytes,
     )
 
 
@@ -445,17 +453,36 @@ def drafter_profile(
     target, then scaled by how much more drafting really cost in the acceptance runs at the batch
     buckets they went through (the median ratio: catch-up passes, sampling and bookkeeping the
     probe does not see). Prompt lookup runs no model: its in-run cost per bucket is kept as is."""
+    extra = added_weight_bytes(drafter, loaded.model)
     if not isinstance(drafter, ModelDrafter):
-        return DrafterProfile(name=drafter.name, kind=kind, batches=list(in_run), step_seconds=list(in_run.values()))
+        return DrafterProfile(
+            name=drafter.name, kind=kind, batches=list(in_run), step_seconds=list(in_run.values()), weight_bytes=extra
+        )
     probed = [
         measure_step_times(drafter.model, b, [1], config.context_tokens, config.repeats, config.enough_s)[1]
         for b in tqdm(config.batches, desc=f"draft step {drafter.name}", unit="batch", disable=not progress)
     ]
-    probe = DrafterProfile(name=drafter.name, kind=kind, batches=list(config.batches), step_seconds=probed)
+    probe = DrafterProfile(
+        name=drafter.name, kind=kind, batches=list(config.batches), step_seconds=probed, weight_bytes=extra
+    )
     calibration = float(np.median([s / probe.step_at(b) for b, s in in_run.items()]))
     return probe.model_copy(
         update={"step_seconds": [s * calibration for s in probed], "probed_seconds": probed, "calibration": calibration}
     )
+
+
+def added_weight_bytes(drafter: Drafter, target: torch.nn.Module) -> int:
+    """Bytes of the tensors a drafter's own modules hold that the target does not already hold
+    (early exit and trained heads share the target's layers and embeddings; a draft model does not)."""
+    shared = {t.data_ptr() for t in (*target.parameters(), *target.buffers())}
+    seen: set[int] = set()
+    total = 0
+    for module in (m for m in vars(drafter).values() if isinstance(m, torch.nn.Module)):
+        for tensor in (*module.parameters(), *module.buffers()):
+            if tensor.data_ptr() not in shared and tensor.data_ptr() not in seen:
+                seen.add(tensor.data_ptr())
+                total += tensor.numel() * tensor.element_size()
+    return total
 
 
 def _model_summary(loaded: LoadedModel) -> ModelSummary:
@@ -468,4 +495,5 @@ def _model_summary(loaded: LoadedModel) -> ModelSummary:
         weight_bytes=info.weight_bytes,
         threads=torch.get_num_threads(),
         fingerprint=loaded.fingerprint,
+        kv_bytes_per_token=kv_bytes_per_token(loaded.model),
     )

@@ -11,10 +11,11 @@ import hmac
 import json
 import logging
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -24,6 +25,7 @@ from backends.streaming import StreamEvent
 
 from .advise import to_advice
 from .core import Routed, RouterCore
+from .report import latest_dir
 from .schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -127,7 +129,34 @@ def create_app(model_id: str, api_key: str | None = None) -> FastAPI:
         body = await _parse(request, AdviseRequest)
         return _advise(request, body)
 
+    @app.get("/report", response_model=None)
+    async def report(request: Request) -> Response:
+        """The latest capacity-planning report (`specroute report` publishes it), read-only."""
+        return _report_file(request, "report.html", HTMLResponse)
+
+    @app.get("/report.json", response_model=None)
+    async def report_json(request: Request) -> Response:
+        return _report_file(
+            request, "report.json", lambda text, **kw: Response(text, media_type="application/json", **kw)
+        )
+
     return app
+
+
+def _report_file(request: Request, name: str, respond: Any) -> Response:
+    """A file of the latest report, read on every request so a new report shows without a restart."""
+    _authorize(request)
+    folder = _setting(request, "report_dir") or latest_dir()
+    try:
+        text = (Path(folder) / name).read_text(encoding="utf-8")
+    except (FileNotFoundError, NotADirectoryError):
+        raise ApiError(
+            404,
+            f"no capacity-planning report yet: run `specroute report --workload deploy/workload.yaml --out DIR` "
+            f"where the service runs (it publishes the latest to {folder})",
+            code="not_found",
+        ) from None
+    return respond(text, headers={"Cache-Control": "no-store"})
 
 
 # What `install` put in place for this process. Ray Serve serves a copy of the FastAPI app in the

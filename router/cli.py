@@ -31,6 +31,7 @@ INPUT_NAMES = {
     "BackendSettings": "backend settings",
     "LoadConfig": "load settings",
     "TrainConfig": "train-drafter settings",
+    "ReportConfig": "report settings",
 }
 
 
@@ -112,6 +113,13 @@ def build_parser() -> argparse.ArgumentParser:
             "train an EAGLE head, Medusa heads or an early-exit adapter on the target's own outputs",
             _add_train_drafter_args,
             run_train_drafter,
+        ),
+        (
+            commands,
+            "report",
+            "a capacity-planning report (HTML, plots, JSON) for a workload, from what was measured",
+            _add_report_args,
+            run_report,
         ),
         (
             benches,
@@ -558,6 +566,63 @@ def run_bench_model_fit(args: argparse.Namespace) -> int:
     _quiet_model_loading()
     report = run_model_fit(config)
     return _print_report(args, report, render_model_fit)
+
+
+def _add_report_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--workload", required=True, help="workload YAML (see deploy/workload.yaml)")
+    parser.add_argument("--out", required=True, help="directory for report.html, report.md, report.json, plots")
+    parser.add_argument("--profile", help="profile JSON (default: the embedded model's under SPECROUTE_HOME)")
+    parser.add_argument(
+        "--load-results", action="append", default=[], help="`bench load` JSON, repeatable (default: ./bench-load.json)"
+    )
+    parser.add_argument("--bench-spec", help="`bench spec` JSON (default: ./bench-spec.json if present)")
+    parser.add_argument("--model-fit", help="`bench model-fit` JSON (default: ./bench-model-fit.json if present)")
+    parser.add_argument(
+        "--compare-profile", action="append", default=[], help="another machine's profile to what-if (repeatable)"
+    )
+    parser.add_argument("--policy", help="policy YAML (default: the built-in policy)")
+    parser.add_argument("--requests", type=int, default=1200, help="simulated requests per what-if run")
+    parser.add_argument("--max-replicas", type=int, default=64, help="most replicas the sizing tries")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--model", help="tokenizer for a JSONL workload's prompts (default: the embedded model)")
+    parser.add_argument("--measure", action="store_true", help="run what is missing (profile, benches) first")
+    parser.add_argument("--url", default="http://127.0.0.1:8000", help="the service `--measure` loads, if running")
+    parser.add_argument("--no-publish", action="store_true", help="do not make it the service's /report")
+
+
+def run_report(args: argparse.Namespace) -> int:
+    from router.report import latest_dir, publish
+    from router.report.build import build_report
+    from router.report.inputs import ReportConfig
+    from router.report.render import write_report
+
+    config = ReportConfig(
+        workload=args.workload,
+        out=args.out,
+        profile=args.profile,
+        load_results=args.load_results,
+        bench_spec=args.bench_spec,
+        model_fit=args.model_fit,
+        compare_profiles=args.compare_profile,
+        policy=args.policy,
+        requests=args.requests,
+        max_replicas=args.max_replicas,
+        seed=args.seed,
+    )
+    if args.measure:
+        from router.report.measure import measure_missing
+
+        _quiet_model_loading()
+        config = measure_missing(config, args.url)
+    report = build_report(config, progress=True, model=args.model)
+    out = Path(args.out)
+    write_report(report, out)
+    for item in report.inputs:
+        print(f"  {item.name:<16} {item.status}{f' ({item.path})' if item.path else ''}")
+    print(f"\n{report.recommendation.headline}\n\nreport: {out / 'report.html'} (also report.md, report.json)")
+    if not args.no_publish:
+        print(f"published as the service's /report: {publish(out, latest_dir())}")
+    return 0
 
 
 def _print_report(args: argparse.Namespace, report: Any, render: Callable[[Any], str]) -> int:

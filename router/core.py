@@ -21,6 +21,7 @@ from backends.generation import GenerationRequest, GenerationResult
 from backends.plain import prompt_ids
 from backends.streaming import StreamEvent
 from policies.config import PolicyConfig, PolicyError, parse_policy
+from policies.estimates import BACKENDS
 from policies.policy import Decision, LoadSnapshot, RequestFeatures, decide
 from policies.profile import Profile, ProfileError
 
@@ -28,7 +29,6 @@ from .advise import Predictors, request_features
 from .schemas import SpecrouteInfo, SpecrouteOptions
 
 log = logging.getLogger("specroute.router")
-BACKEND_NAMES = ("speculative", "plain", "quantized")
 
 
 class Limits(BaseModel):
@@ -310,7 +310,7 @@ class RouterCore:
         m = self.profile.model
         return {
             "status": "ok",
-            "in_flight": {b: self.load[b] for b in BACKEND_NAMES},
+            "in_flight": {b: self.load[b] for b in BACKENDS},
             "below_quality_floor": self.below_quality_floor(),
             "policy": self.policy.model_dump(mode="json"),
             "policy_error": self.policy_error,

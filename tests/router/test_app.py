@@ -752,3 +752,40 @@ def test_the_key_is_checked_before_the_body(keyed):
 def test_405_says_which_methods_are_allowed(client):
     response = client.get(CHAT)
     assert response.status_code == 405 and response.headers.get("allow") == "POST"
+
+
+# -- /report: the latest capacity-planning report -------------------------------------------------------
+
+
+def test_report_is_a_404_saying_how_to_make_one_until_one_is_published(app, client, tmp_path):
+    app.state.report_dir = tmp_path / "latest"
+    response = client.get("/report")
+    assert response.status_code == 404
+    assert "run `specroute report --workload" in response.json()["error"]["message"]
+
+
+def test_the_latest_published_report_is_served_read_only(app, client, tmp_path):
+    from router.report import publish
+
+    written = tmp_path / "out"
+    written.mkdir()
+    (written / "report.html").write_text("<html><body>first</body></html>")
+    (written / "report.json").write_text('{"version": 1}')
+    app.state.report_dir = publish(written, tmp_path / "latest")
+    page = client.get("/report")
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    assert "first" in page.text
+    assert client.get("/report.json").json() == {"version": 1}
+    (written / "report.html").write_text("<html><body>second</body></html>")
+    publish(written, tmp_path / "latest")  # a new report shows without a restart
+    assert "second" in client.get("/report").text
+    assert client.post("/report").status_code == 405
+
+
+def test_report_needs_the_api_key(tokenizer, tmp_path):
+    app = make_app(tokenizer, api_key="secret")
+    app.state.report_dir = tmp_path
+    (tmp_path / "report.html").write_text("<html>ok</html>")
+    keyed = TestClient(app)
+    assert keyed.get("/report").status_code == 401
+    assert keyed.get("/report", headers={"Authorization": "Bearer secret"}).text == "<html>ok</html>"
