@@ -141,7 +141,6 @@ class PolicyRouter:
     acceptance_of: Mapping[int, Mapping[str, Acceptance]] = field(default_factory=dict)
     features_of: Mapping[int, RequestFeatures] = field(default_factory=dict)  # per-prompt predictions, if any
     chosen: dict[int, Acceptance] = field(default_factory=dict)
-    stages: dict[int, str] = field(default_factory=dict)
     _decisions: dict[tuple, Decision] = field(default_factory=dict, repr=False)
 
     def __call__(self, request: SimRequest, in_flight: Mapping[str, int]) -> str:
@@ -156,7 +155,6 @@ class PolicyRouter:
         for key, n in in_flight.items():
             per_backend[backend_of(key)] = per_backend.get(backend_of(key), 0) + n
         decision = self._decision(request, per_backend)
-        self.stages[request.id] = decision.stage
         if self.mode == "auto":
             return decision.backend, decision.drafter
         if self.mode != "speculative":

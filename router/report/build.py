@@ -39,7 +39,7 @@ def _workload_summary(workload: Workload, traffic: Traffic, source: str) -> r.Wo
         name=workload.name,
         source=source,
         mix=traffic.mix,
-        prompts_rated=traffic.classified,
+        prompts_rated=traffic.rated,
         input_tokens_mean=float(np.mean([q.prompt_tokens for q in traffic.requests])),
         output_tokens_mean=float(np.mean([q.output_tokens for q in traffic.requests])),
         arrival_rate=traffic.arrival_rate,

@@ -242,7 +242,7 @@ class Plot(_Part):
 class WorkloadSummary(_Part):
     name: str
     source: str
-    mix: dict[str, float] = Field(description="category → share (from the file, or classified prompts)")
+    mix: dict[str, float] = Field(description="category → share (a JSONL workload: 'unclassified' 1.0)")
     prompts_rated: int | None = Field(description="prompts of a JSONL workload, each rated by the α/ρ predictors")
     input_tokens_mean: float
     output_tokens_mean: float

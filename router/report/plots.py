@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -200,30 +201,21 @@ def _load_panels(rows: Sequence[LoadRow], x_of: Callable[[LoadRow], float], xlab
     return fig
 
 
-def _load_closed(report: Report) -> Drawn:
-    rows = [r for r in report.load if r.concurrency is not None]
+def _load(report: Report, open_loop: bool) -> Drawn:
+    """The bench load cells of one kind of loop: closed (x: clients) or open (x: request rate)."""
+    rows = [r for r in report.load if (r.concurrency is None) == open_loop]
     if not rows:
         return None
-    fig = _load_panels(rows, lambda r: float(r.concurrency or 0), "concurrent clients (closed loop)", log2=True)
-    title = "Routed vs fixed backends under closed-loop load"
+    kind = "open" if open_loop else "closed"
+    x_of = (lambda r: float(r.request_rate or 0.0)) if open_loop else (lambda r: float(r.concurrency or 0))
+    axis = "offered load (requests/s, open loop)" if open_loop else "concurrent clients (closed loop)"
+    fig = _load_panels(rows, x_of, axis, log2=not open_loop)
+    title = f"Routed vs fixed backends under {kind}-loop load"
     fig.suptitle(title, fontsize=12)
+    against = "the offered request rate" if open_loop else "the number of concurrent clients"
     caption = (
-        "bench load, closed loop: per mode (auto is the router) output tokens/s, TTFT p50 (solid) and p99 (dashed), "
-        "TPOT p50 and goodput, against the number of concurrent clients."
-    )
-    return fig, title, caption
-
-
-def _load_open(report: Report) -> Drawn:
-    rows = [r for r in report.load if r.concurrency is None and r.request_rate is not None]
-    if not rows:
-        return None
-    fig = _load_panels(rows, lambda r: float(r.request_rate or 0.0), "offered load (requests/s, open loop)", log2=False)
-    title = "Routed vs fixed backends under open-loop load"
-    fig.suptitle(title, fontsize=12)
-    caption = (
-        "bench load, open loop: per mode (auto is the router) output tokens/s, TTFT p50 (solid) and p99 (dashed), "
-        "TPOT p50 and goodput, against the offered request rate."
+        f"bench load, {kind} loop: per mode (auto is the router) output tokens/s, TTFT p50 (solid) and p99 "
+        f"(dashed), TPOT p50 and goodput, against {against}."
     )
     return fig, title, caption
 
@@ -408,8 +400,8 @@ def _what_if(report: Report) -> Drawn:
 DRAWERS: tuple[tuple[str, Callable[[Report], Drawn]], ...] = (
     ("heatmap.png", _heatmap),
     ("concurrency.png", _concurrency),
-    ("load.png", _load_closed),
-    ("load-open.png", _load_open),
+    ("load.png", partial(_load, open_loop=False)),
+    ("load-open.png", partial(_load, open_loop=True)),
     ("validation.png", _validation),
     ("sizing.png", _sizing),
     ("what-if.png", _what_if),

@@ -49,7 +49,10 @@ from .inputs import Inputs, ReportConfig, ReportError, first_line
 MODES = (ROUTER, *BACKENDS)  # the routed service first, then each backend alone
 
 
-SIM_TOLERANCE = 0.25  # mean |error| of simulated tokens/s over measured cells the simulation is trusted within
+UNCLASSIFIED = "unclassified"  # the mix of a JSONL workload: its prompts carry no category
+SIM_TOLERANCE = (
+    0.25  # the mean |error| (closed-loop tokens/s, and e2e p50 on every cell) the simulation is trusted within
+)
 
 
 def loop_limits() -> LoopLimits:
@@ -190,7 +193,7 @@ class Traffic:
     features: dict[int, RequestFeatures]
     acceptance: dict[int, dict[str, Acceptance]]
     mix: dict[str, float]
-    classified: int | None
+    rated: int | None  # prompts of a JSONL workload (None: a category mix)
     arrival_rate: float | None
     concurrency: list[int] | None
 
@@ -206,10 +209,7 @@ def draw_traffic(workload: Workload, profile: Profile, n: int, seed: int, prompt
     outputs = workload.output_tokens.sample(rng, n)
     if prompts:
         chosen = [prompts[i % len(prompts)] for i in range(n)]
-        mix = _shares([p.category or "unclassified" for p in prompts])
-        requests = [
-            SimRequest(i, p.tokens, int(o), p.category) for i, (p, o) in enumerate(zip(chosen, outputs, strict=True))
-        ]
+        requests = [SimRequest(i, p.tokens, int(o)) for i, (p, o) in enumerate(zip(chosen, outputs, strict=True))]
         # One features object per prompt (the router's decisions are remembered per prompt and load).
         each = {
             id(p): RequestFeatures(prompt_tokens=p.tokens, max_tokens=workload.output_tokens.max, alphas=p.alphas)
@@ -217,7 +217,7 @@ def draw_traffic(workload: Workload, profile: Profile, n: int, seed: int, prompt
         }
         features = {i: each[id(p)] for i, p in enumerate(chosen)}
         acceptance = {i: p.acceptance for i, p in enumerate(chosen)}
-        return Traffic(requests, features, acceptance, mix, len(prompts), *_load_of(workload))
+        return Traffic(requests, features, acceptance, {UNCLASSIFIED: 1.0}, len(prompts), *_load_of(workload))
     assert workload.mix is not None
     names = [c for c, share in workload.mix.items() if share > 0]
     shares = np.array([workload.mix[c] for c in names])
@@ -232,11 +232,6 @@ def draw_traffic(workload: Workload, profile: Profile, n: int, seed: int, prompt
 
 def _load_of(workload: Workload) -> tuple[float | None, list[int] | None]:
     return workload.load.arrival_rate, workload.load.concurrency
-
-
-def _shares(labels: Sequence[str]) -> dict[str, float]:
-    names, counts = np.unique(labels, return_counts=True)
-    return {str(n): float(c / len(labels)) for n, c in zip(names, counts, strict=True)}
 
 
 def _input_lengths(workload: Workload, profile: Profile, categories: np.ndarray, rng: np.random.Generator) -> list[int]:
@@ -256,10 +251,10 @@ def _input_lengths(workload: Workload, profile: Profile, categories: np.ndarray,
 
 @dataclass(frozen=True)
 class Prompted:
-    """One prompt of a JSONL workload file, as the router would see it."""
+    """One prompt of a JSONL workload file, as the router would see it (no category: its α and ρ
+    are the predictors' for its text)."""
 
     tokens: int
-    category: str | None
     alphas: dict
     acceptance: dict[str, Acceptance]
 
@@ -516,7 +511,7 @@ def read_prompts(path: str, profile: Profile, max_tokens: int, model: str | None
             )
             for name, a in features.alphas.items()
         }
-        prompts.append(Prompted(features.prompt_tokens, None, dict(features.alphas), acceptance))
+        prompts.append(Prompted(features.prompt_tokens, dict(features.alphas), acceptance))
     if not prompts:
         raise ReportError(f"{path}: no prompts")
     return prompts
