@@ -128,7 +128,8 @@ def heatmap(profile: Profile, policy: PolicyConfig, costs: ProfileCosts, spec: B
     grid = [[speedup(a, k, c, verify[k], 1.0, 1, verify[0]) for k in ks] for a in HEATMAP_ALPHAS]
     points = []
     for a in (x for x in profile.acceptance if x.drafter == name):
-        k = min(a.k, k_hi)
+        # With bench spec results, at the k it ran fixed, so predicted and measured meet at one k.
+        k = min(spec.config.fixed_k if spec is not None else a.k, k_hi)
         points.append(
             r.HeatmapPoint(
                 category=a.category,

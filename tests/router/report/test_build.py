@@ -28,6 +28,7 @@ from tests.chromium import render
 FIXTURES = Path(__file__).parent / "fixtures"
 PROFILE = FIXTURES / "profile.json"
 LOADS = [FIXTURES / "bench-load-closed.json", FIXTURES / "bench-load-open.json"]
+SPEC, FIT = FIXTURES / "bench-spec.json", FIXTURES / "bench-model-fit.json"
 WORKLOAD = Path(__file__).resolve().parents[3] / "deploy" / "workload.yaml"
 SMALL = {"requests": 300, "max_replicas": 16}
 
@@ -46,7 +47,13 @@ def loads() -> list[LoadReport]:
 def written(tmp_path_factory) -> tuple[Report, Path]:
     out = tmp_path_factory.mktemp("report")
     config = ReportConfig(
-        workload=str(WORKLOAD), out=str(out), profile=str(PROFILE), load_results=[str(p) for p in LOADS], **SMALL
+        workload=str(WORKLOAD),
+        out=str(out),
+        profile=str(PROFILE),
+        load_results=[str(p) for p in LOADS],
+        bench_spec=str(SPEC),
+        model_fit=str(FIT),
+        **SMALL,
     )
     report = build_report(config, progress=False)
     write_report(report, out)
@@ -72,6 +79,9 @@ def test_the_report_writes_the_page_the_plots_and_report_json(written):
     for plot in report.plots:
         assert (out / plot.name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert [i.status for i in report.inputs if i.name == "bench load"] == ["read", "read"]
+    assert {i.name: i.status for i in report.inputs}["bench spec"] == "read"
+    assert all(p.measured is not None and p.k == 4 for p in report.heatmap.points)  # bench spec ran k = 4
+    assert all(c.measured and c.measured_batches_max == 16 for c in report.curves)  # model-fit to b = 16
     assert {s.backend for s in report.sizing} == {"auto", "speculative", "plain", "quantized"}
     assert report.recommendation.headline and report.recommendation.reasons
 
