@@ -290,10 +290,6 @@ def _peak(records: Sequence[SimRecord]) -> int:
     return peak
 
 
-def replica_hour_usd(price: float | None, cores: int, core_hour_usd: float) -> float:
-    return price if price is not None else cores * core_hour_usd
-
-
 def usd_per_million(replicas: int, replica_hour: float, tokens_per_s: float) -> float | None:
     """$ per million output tokens when `replicas` replicas serve `tokens_per_s` in total."""
     if tokens_per_s <= 0:

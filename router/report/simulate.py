@@ -22,7 +22,6 @@ from policies.capacity import (
     RunSummary,
     backend_of,
     kv_bytes,
-    replica_hour_usd,
     router_for,
     summarize,
     usd_per_million,
@@ -372,7 +371,7 @@ def replica_price(mode: str, workload: Workload, profile: Profile) -> Price:
     if given is not None:
         return Price(given, None, None)
     cores = pricing.cores or int(profile.machine.get("logical_cores") or 1)
-    return Price(replica_hour_usd(None, cores, pricing.core_hour_usd), cores, pricing.core_hour_usd)
+    return Price(cores * pricing.core_hour_usd, cores, pricing.core_hour_usd)
 
 
 def _capacity(profile: Profile, policy: PolicyConfig, traffic: Traffic, mode: str) -> float:
