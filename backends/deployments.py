@@ -8,7 +8,7 @@ they finish, so load turns into batch size without anyone waiting for a batch to
   rows draft with their own drafter and are verified together in one target pass per step, each
   step choosing how much drafting pays at the live batch.
 - `PlainBackend`: the loop without drafting: large-batch decoding, where high concurrency goes.
-- `QuantizedBackend`: the plain loop over the int8 target (`backends.quantized`).
+- `QuantizedBackend`: the plain loop over the quantized target (`backends.quantized`).
 
 Each exposes `generate(request, drafter, batching)` — an async stream of `StreamEvent`s. A request
 the backend cannot serve (too long for the context, an unknown drafter) gets an event with `error`
@@ -31,12 +31,13 @@ from ray.serve.metrics import Gauge
 
 from policies.drafters import SERVED_KINDS, DrafterConfig, DrafterKind
 from policies.profile import Profile
+from policies.quantization import QuantChoice
 
 from .errors import ModelLoadError, Overloaded, RequestError
 from .generation import ChatMessage, GenerationRequest, GenerationResult, TokenListener
 from .models import LoadedModel, load_model
 from .plain import PlainEngine
-from .quantized import QuantMethod, calibration_cache, quantize
+from .quantized import calibration_cache, needs_calibration, quantize, resolve_method
 from .scheduler import LoopSettings, Scheduler, seeded_step_costs, step_costs
 from .serving import ServingLoop
 from .speculative.control import DraftCosts, StepCosts
@@ -60,7 +61,11 @@ class BackendSettings(LoopSettings):
     drafters: list[DrafterKind] = Field(default_factory=lambda: list(SERVED_KINDS), min_length=1)
     drafter: DrafterConfig = Field(default_factory=DrafterConfig, description="drafter options (kind ignored)")
     k_max: int = Field(8, ge=1, le=32, description="most tokens a speculative step drafts")
-    quantization: QuantMethod = "smoothquant"
+    quantization: QuantChoice = Field(
+        "auto",
+        description="the quantized backend's method ('auto': int4-weight-only for weights on a group-32 4-bit "
+        "grid, as GGUF Q4 checkpoints are, else int8-weight-only)",
+    )
     profile: str | None = Field(None, description="profile JSON: seeds the speculative engine's step costs")
     calibration: list[list[ChatMessage]] = Field(
         default_factory=list,
@@ -161,8 +166,11 @@ class QuantizedBackend(_Backend):
     def __init__(self, settings: dict[str, Any]):
         super().__init__(settings)
         s = self.settings
+        method = resolve_method(self.loaded, s.quantization)
         # The profiler's run of the same calibration left its statistics in the cache: reused here.
-        self.start(quantize(self.loaded, calibration_ids(self.loaded, s), s.quantization, calibration_cache()))
+        calibration = calibration_ids(self.loaded, s) if needs_calibration(method) else []
+        # A method this model, dtype or device cannot take fails here, at start-up, never mid-request.
+        self.start(quantize(self.loaded, calibration, method, calibration_cache()))
 
 
 @serve.deployment(name="SpeculativeBackend", ray_actor_options={"num_cpus": 0.5}, max_ongoing_requests=1024)

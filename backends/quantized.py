@@ -1,24 +1,29 @@
-"""The int8 target: the same model with int8 weights, and how far its outputs drift from the
-full-precision target.
+"""The quantized target: the same model with int8 or int4 weights, and how far its outputs drift
+from the full-precision target.
 
-Kernels: torch's dynamic quantization (fbgemm) — int8 weights per output channel, activations
-quantized per batch on the fly. Measured here on the embedded model it is ~2× faster than fp32 at
-batch 1, but raw it agreed with the float target on under half the tokens: activations of LLMs
-carry a few huge channels (worst at the MLP's down projection), and one scale per tensor crushes
-the rest. So every method first *smooths* (SmoothQuant, Xiao et al. 2023): per input channel j a
-factor s_j = max|x_j|^a / max|w_j|^(1-a), from activations seen on calibration prompts, divides
-the activation and multiplies the weight — folded exactly into the preceding RMSNorm weight
-(q/k/v, gate/up) or the up projection's rows (down), so the float model computes the same
-function and the int8 one sees tamer activations.
+Methods (`QUANT_METHODS`; the backend serves one, the profile measures each it is asked for):
+- `int8-weight-only` (the default) and `int4-weight-only`: weights quantized, activations kept
+  float, computed by torch's fused CPU kernels (`backends.weight_only`). Decode at small batch is
+  bound by the bytes of weights read, which these cut 4× and 8× from float32. int4 uses groups of
+  32 with a scale and an offset: the layout of GGUF's Q4_1 blocks, in which the embedded default
+  ships, so it holds that model's weights nearly as they are.
+- `smoothquant`, `smoothquant-fp32-down`, `dynamic`: W8A8 through torch's dynamic quantization
+  (fbgemm; the `torch.ao.quantization` path, which torch deprecates): activations are quantized
+  per batch too. Raw `dynamic` agreed with the float target on under half the tokens here: a few
+  huge activation channels crush one scale per tensor. So these first *smooth* (SmoothQuant,
+  Xiao et al. 2023): per input channel j a factor s_j = max|x_j|^a / max|w_j|^(1-a), from
+  activations seen on calibration prompts, divides the activation and multiplies the weight,
+  folded exactly into the preceding RMSNorm weight (q/k/v, gate/up) or the up projection's rows
+  (down). `smoothquant-fp32-down` keeps the MLP's down projection in float.
 
-Methods: `smoothquant` quantizes every linear layer but the LM head; `smoothquant-fp32-down` keeps
-the MLP's down projection in float (slower, closer to the target). Raw `dynamic` is kept for
-comparison. The embedding table and the LM head stay float (the head shares its matrix with the
-embedding table and decides the argmax).
+Every method leaves the embedding table and the LM head in float (the head shares its matrix with
+the embedding table and decides the argmax).
 
-Quality is measured teacher-forced: both models read the same text (prompts and the float target's
-own greedy answers) and we count positions where their argmax agrees, so one early divergence does
-not turn every later token into a disagreement; the perplexity delta is on the prompt texts.
+Quality is measured (`measure_quality`) on prompts the calibration did not see: teacher-forced
+agreement (both models read the same text — prompts and the float target's own greedy answers —
+and we count positions where their argmax agrees, so one early divergence does not turn every
+later token into a disagreement), the perplexity delta on the prompt texts, and free-running
+greedy agreement (the share of prompts whose first greedy tokens are all identical).
 """
 
 from __future__ import annotations
@@ -31,38 +36,57 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from policies.quantization import QUANT_CHOICES, QUANT_METHODS, WEIGHT_ONLY, QuantChoice, QuantMethod
+
 from .embedded import specroute_home
 from .errors import ModelLoadError
+from .generation import GenerationRequest
 from .models import LoadedModel
+from .plain import PlainEngine
+from .weight_only import check_weight_only, on_int4_grid, replace_linears
 
-QuantMethod = Literal["smoothquant", "smoothquant-fp32-down", "dynamic"]
-QUANT_METHODS: tuple[str, ...] = ("smoothquant", "smoothquant-fp32-down", "dynamic")
 SMOOTHING = 0.8  # the migration strength a: 0.5 / 0.8 / 0.9 measured here, 0.8 agreed best
 _MLP_IN, _DOWN = ("gate_proj", "up_proj"), "down_proj"
 _ATTN_IN = ("q_proj", "k_proj", "v_proj")
+_HEAD = "lm_head"
+
+
+def resolve_method(loaded: LoadedModel, choice: str) -> QuantMethod:
+    """The method a choice names: itself, or for "auto" the weight-only method the weights fit."""
+    if choice != "auto":
+        if choice not in QUANT_METHODS:
+            raise ModelLoadError(f"unknown quantization method {choice!r} (choose from {', '.join(QUANT_CHOICES)})")
+        return choice  # type: ignore[return-value]
+    return "int4-weight-only" if on_int4_grid(_linears(loaded.model)) else "int8-weight-only"
 
 
 def quantize(
     loaded: LoadedModel,
-    calibration: Sequence[list[int]],
-    method: QuantMethod = "smoothquant",
+    calibration: Sequence[list[int]] = (),
+    method: QuantChoice = "auto",
     cache_dir: Path | None = None,
 ) -> LoadedModel:
-    """A copy of `loaded` with int8 linear layers (the original is left untouched). `calibration`:
-    token sequences whose activations set the smoothing factors. With `cache_dir`, those
-    activation maxima (a pass over every calibration token, the slow part) are kept there, keyed
-    by the weights and the calibration tokens, so the next start of the same model reuses them."""
-    _check(loaded, method, calibration)
+    """A copy of `loaded` with quantized linear layers (the original is left untouched).
+    `calibration`: token sequences whose activations set the smoothing factors (the W8A8 methods
+    only; weight-only methods read no activations). With `cache_dir`, those activation maxima (a
+    pass over every calibration token, the slow part) are kept there, keyed by the weights and the
+    calibration tokens, so the next start of the same model reuses them."""
+    method = resolve_method(loaded, method)
+    check_method(loaded, method, calibration)
     model = copy.deepcopy(loaded.model)
+    if method in WEIGHT_ONLY:
+        replace_linears(model, method, skip={_HEAD})
+        model.eval()
+        info = dataclasses.replace(loaded.info, dtype=method, weight_bytes=weight_bytes(model))
+        return LoadedModel(model=model, tokenizer=loaded.tokenizer, info=info)
     if method != "dynamic":
         _smooth(model, _cached_maxima(loaded, model, calibration, cache_dir), SMOOTHING)
-    skip = {"lm_head"} | ({_DOWN} if method == "smoothquant-fp32-down" else set())
+    skip = {_HEAD} | ({_DOWN} if method == "smoothquant-fp32-down" else set())
     qconfig = torch.ao.quantization.per_channel_dynamic_qconfig
     spec = {
         name: qconfig
@@ -75,21 +99,39 @@ def quantize(
     return LoadedModel(model=model, tokenizer=loaded.tokenizer, info=info)
 
 
-def _check(loaded: LoadedModel, method: str, calibration: Sequence[list[int]]) -> None:
+def check_method(loaded: LoadedModel, method: str, calibration: Sequence[list[int]] = ()) -> None:
+    """Refuse, before any weight is touched, a method this model, device or dtype cannot run."""
     if method not in QUANT_METHODS:
         raise ModelLoadError(f"unknown quantization method {method!r} (choose from {', '.join(QUANT_METHODS)})")
-    if loaded.info.device != "cpu":
-        raise ModelLoadError("int8 dynamic quantization runs on the CPU only: serve the quantized backend on a CPU")
     if loaded.info.dtype != "float32":
-        raise ModelLoadError(f"int8 quantization starts from float32 weights (got {loaded.info.dtype})")
+        raise ModelLoadError(f"quantization starts from float32 weights (got {loaded.info.dtype})")
+    if method in WEIGHT_ONLY:
+        check_weight_only(method, loaded.info.device, _linears(loaded.model))  # type: ignore[arg-type]
+        return
+    if loaded.info.device != "cpu":
+        raise ModelLoadError(
+            f"{method} runs torch's CPU dynamic quantization only: serve the quantized backend on a CPU"
+        )
     if method != "dynamic" and not calibration:
         raise ModelLoadError("smoothing needs calibration prompts (none given)")
     layers = getattr(getattr(loaded.model, "model", None), "layers", None)
     if method != "dynamic" and not (layers and all(_llama_like(layer) for layer in layers)):
         raise ModelLoadError(
             "smoothing folds factors into Llama-style blocks (input/post-attention RMSNorm, q/k/v, "
-            "gate/up/down projections); this model has another layout: use method 'dynamic'"
+            "gate/up/down projections); this model has another layout: use int8-weight-only or dynamic"
         )
+
+
+def _linears(model: nn.Module) -> dict[str, nn.Linear]:
+    """The layers a method quantizes: every linear one but the LM head."""
+    return {
+        name: m for name, m in model.named_modules() if isinstance(m, nn.Linear) and name.rsplit(".", 1)[-1] != _HEAD
+    }
+
+
+def needs_calibration(method: str) -> bool:
+    """Whether the method reads calibration activations (the smoothed W8A8 ones)."""
+    return method not in (*WEIGHT_ONLY, "dynamic")
 
 
 def _llama_like(layer: nn.Module) -> bool:
@@ -194,8 +236,9 @@ def _fold(
 
 
 def weight_bytes(model: nn.Module) -> int:
-    """Bytes of weights a forward pass reads: float parameters plus packed int8 matrices."""
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    """Bytes of weights resident for a forward pass: float parameters, the weight-only layers'
+    packed matrices and scales (buffers), and the packed matrices of dynamic int8 layers."""
+    total = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
     for module in model.modules():
         if hasattr(module, "_packed_params") and callable(getattr(module, "weight", None)):
             weight = module.weight()  # the int8 matrix behind a quantized linear layer
@@ -203,35 +246,55 @@ def weight_bytes(model: nn.Module) -> int:
     return total
 
 
+def max_weight_error(model: nn.Module) -> float | None:
+    """The largest |w − w as the kernel computes it| over the weight-only layers (None: none)."""
+    errors = [m.max_weight_error for m in model.modules() if hasattr(m, "max_weight_error")]
+    return max(errors) if errors else None
+
+
 @dataclass(frozen=True)
 class Quality:
     agreement: float  # teacher-forced top-1 agreement with the float target
     positions: int  # positions compared
     perplexity: float  # the float target's, on the text set
-    perplexity_int8: float
+    perplexity_quantized: float
+    greedy_match: float  # share of prompts whose first `greedy_tokens` greedy tokens are identical
+    greedy_tokens: int
+    prompts: int
 
     @property
     def perplexity_delta(self) -> float:
-        """Relative change: +0.02 means the int8 model's perplexity is 2 % higher."""
-        return self.perplexity_int8 / self.perplexity - 1
+        """Relative change: +0.02 means the quantized model's perplexity is 2 % higher."""
+        return self.perplexity_quantized / self.perplexity - 1
 
 
 @torch.inference_mode()
 def measure_quality(
-    reference: LoadedModel, quantized: LoadedModel, continuations: Sequence[list[int]], texts: Sequence[str]
+    reference: LoadedModel, quantized: LoadedModel, requests: Sequence[GenerationRequest], texts: Sequence[str]
 ) -> Quality:
-    """`continuations`: token sequences (a prompt + the reference's greedy answer) to compare argmax
-    over; `texts`: raw texts for perplexity."""
+    """Both models answer every (greedy) request, max_tokens tokens each: the free-running tokens compared;
+    the reference's prompt + answer is the teacher-forced text; `texts`: raw texts for perplexity."""
+    ref_engine = PlainEngine(reference)
+    prompts = [ref_engine.encode(r) for r in requests]
+    ref_answers = [a.token_ids for a in ref_engine.generate(requests)]
+    quant_answers = [a.token_ids for a in PlainEngine(quantized).generate(requests)]
     agree = positions = 0
-    for ids in continuations:
-        tokens = torch.tensor([ids])
+    for prompt, answer in zip(prompts, ref_answers, strict=True):
+        tokens = torch.tensor([prompt + answer])
         a = reference.model(input_ids=tokens).logits[0, :-1].argmax(-1)
         b = quantized.model(input_ids=tokens).logits[0, :-1].argmax(-1)
         agree += int((a == b).sum())
         positions += a.numel()
-    ppl = perplexity(reference, texts)
-    ppl_int8 = perplexity(quantized, texts)
-    return Quality(agree / max(positions, 1), positions, ppl, ppl_int8)
+    same = sum(a == b for a, b in zip(ref_answers, quant_answers, strict=True))
+    return Quality(
+        agreement=agree / max(positions, 1),
+        positions=positions,
+        perplexity=perplexity(reference, texts),
+        perplexity_quantized=perplexity(quantized, texts),
+        greedy_match=same / max(len(requests), 1),
+        greedy_tokens=max((r.max_tokens for r in requests), default=0),
+        prompts=len(requests),
+    )
 
 
 @torch.inference_mode()

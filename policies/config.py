@@ -95,12 +95,18 @@ class BatchingConfig(_Section):
 
 
 class QuantizationConfig(_Section):
-    enabled: bool = Field(True, description="Allow the int8 quantized backend.")
+    enabled: bool = Field(True, description="Allow the quantized backend.")
     min_agreement: float = Field(
         0.95,
         ge=0,
         le=1,
-        description="Quality floor: measured share of greedy tokens equal to the full-precision target's.",
+        description="Quality floor: measured teacher-forced share of tokens whose argmax equals the full-precision "
+        "target's.",
+    )
+    when_faster: bool = Field(
+        True,
+        description="Justified whenever the measured quality meets the floor and the quantized backend is predicted "
+        "faster (min_speedup); false: only load, memory pressure or an SLO miss justify it.",
     )
     min_concurrency: int | None = Field(
         16,

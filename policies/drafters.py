@@ -19,6 +19,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from .errors import UserError
+from .quantization import WeightOnlyMethod
 
 
 class DrafterSpec(BaseModel):
@@ -147,8 +148,10 @@ class DrafterConfig(BaseModel):
     ngram_max: int = Field(4, ge=1, le=16, description="longest suffix n-gram prompt lookup tries")
     ngram_min: int = Field(2, ge=1, le=16, description="shortest suffix n-gram prompt lookup accepts")
     draft_model: str = Field("embedded", description="the draft model: 'embedded', a directory, a .gguf or a HF id")
-    draft_dtype: Literal["float32", "bfloat16"] = Field(
-        "bfloat16", description="dtype of a draft model or of trained heads"
+    draft_dtype: Literal["float32", "bfloat16", WeightOnlyMethod] = Field(
+        "bfloat16",
+        description="dtype of a draft model or of trained heads; a draft model may also run weight-only quantized "
+        "(int8-weight-only, int4-weight-only: loaded in float32, then quantized)",
     )
     exit_layer: int = Field(4, ge=1, description="how many of the target's layers the untrained early exit uses")
     weights: str = Field(

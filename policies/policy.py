@@ -262,11 +262,11 @@ def _quantization_stage(
     if quantized is None or profile.quantized is None:
         reasons.append("quantization: the profile has no quantized backend measured")
         return choice, stage
-    agreement = profile.quantized.agreement
+    method, agreement = profile.quantized.method, profile.quantized.agreement
     if not q.meets_floor(agreement):
-        reasons.append(f"quantization: quality {agreement:.1%} token agreement < floor {q.min_agreement:.1%}")
+        reasons.append(f"quantization: {method} quality {agreement:.1%} token agreement < floor {q.min_agreement:.1%}")
         return choice, stage
-    why = _quantization_justified(choice, b, load, config)
+    why = _quantization_justified(choice, b, load, config, agreement)
     gain = choice.tpot_ms / quantized.tpot_ms
     if why is None:
         reasons.append(f"quantization: not justified at this load ({gain:.2f}× over {choice.backend} on offer)")
@@ -275,13 +275,15 @@ def _quantization_stage(
         reasons.append(f"quantization: {why}, but {gain:.2f}× over {choice.backend} < {q.min_speedup:g}× required")
         return choice, stage
     reasons.append(
-        f"quantization: {why}; int8 at {agreement:.1%} agreement is {gain:.2f}× faster per token than "
+        f"quantization: {why}; {method} at {agreement:.1%} agreement is {gain:.2f}× faster per token than "
         f"{choice.backend} → quantized backend"
     )
     return quantized, "quantization"
 
 
-def _quantization_justified(choice: Candidate, b: int, load: LoadSnapshot, config: PolicyConfig) -> str | None:
+def _quantization_justified(
+    choice: Candidate, b: int, load: LoadSnapshot, config: PolicyConfig, agreement: float
+) -> str | None:
     q, slo = config.quantization, config.slo
     if q.min_concurrency is not None and b >= q.min_concurrency:
         return f"concurrency {b} ≥ {q.min_concurrency}"
@@ -290,6 +292,8 @@ def _quantization_justified(choice: Candidate, b: int, load: LoadSnapshot, confi
             return f"memory {load.memory_utilization:.0%} ≥ {q.memory_pressure:.0%}"
     if q.on_slo_miss and slo.tpot_ms is not None and choice.tpot_ms > slo.tpot_ms:
         return f"{choice.backend} misses the TPOT SLO ({choice.tpot_ms:.0f} > {slo.tpot_ms:g} ms)"
+    if q.when_faster:
+        return f"quality {agreement:.1%} ≥ floor {q.min_agreement:.1%}"
     return None
 
 

@@ -14,10 +14,11 @@ from datetime import datetime
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .drafters import DrafterKind
 from .errors import UserError
+from .quantization import WEIGHT_ONLY
 
 PROFILE_VERSION = 1
 
@@ -177,7 +178,8 @@ class PredictorScore(_Frozen):
 
 
 class QuantizedProfile(_Frozen):
-    """The int8 backend: its cost curve and its measured quality against the full-precision target."""
+    """A quantized backend: its method, cost curve, resident weights and measured quality against
+    the full-precision target."""
 
     method: str
     curve: CostCurve
@@ -185,7 +187,13 @@ class QuantizedProfile(_Frozen):
         ge=0, le=1, description="teacher-forced top-1 agreement with the full-precision target on held-out text"
     )
     perplexity_delta: float | None = Field(None, description="relative perplexity change on a text set")
+    greedy_match: float | None = Field(
+        None, ge=0, le=1, description="share of held-out prompts whose first greedy tokens are all the target's"
+    )
     weight_bytes: int | None = Field(None, ge=0, description="the quantized model's weights (None: not recorded)")
+    max_weight_error: float | None = Field(
+        None, ge=0, description="largest |w − w as the kernel computes it| (weight-only methods)"
+    )
 
 
 class ModelSummary(_Frozen):
@@ -207,11 +215,12 @@ class DrafterName(_Frozen):
 
 
 class ShippedQuality(_Frozen):
-    """The int8 model's agreement with the full-precision target: a property of the two models."""
+    """A quantized model's agreement with the full-precision target: a property of the two models."""
 
     method: str
     agreement: float = Field(ge=0, le=1)
     perplexity_delta: float | None = None
+    greedy_match: float | None = Field(None, ge=0, le=1)
 
 
 class AcceptanceSeed(_Frozen):
@@ -233,7 +242,15 @@ class AcceptanceSeed(_Frozen):
     drafters: list[DrafterName] = Field(min_length=1)
     acceptance: list[AcceptanceProfile] = Field(min_length=1)
     samples: list[AcceptanceSample] = Field(default_factory=list)
-    quality: ShippedQuality | None = None
+    quality: list[ShippedQuality] = Field(default_factory=list, description="one per quantization method measured")
+
+    @field_validator("quality", mode="before")
+    @classmethod
+    def _one_or_many(cls, value: object) -> object:
+        return [] if value is None else [value] if isinstance(value, dict) else value
+
+    def quality_of(self, method: str) -> ShippedQuality | None:
+        return next((q for q in self.quality if q.method == method), None)
 
     def save(self, path: Path) -> None:
         _write(path, self.model_dump_json(indent=1))
@@ -259,7 +276,10 @@ class Profile(_Frozen):
     acceptance: list[AcceptanceProfile] = Field(default_factory=list)
     samples: list[AcceptanceSample] = Field(default_factory=list)
     predictor: list[PredictorScore] = Field(default_factory=list)
-    quantized: QuantizedProfile | None = None
+    quantized: QuantizedProfile | None = Field(None, description="the quantized backend's method, as served")
+    quantized_others: list[QuantizedProfile] = Field(
+        default_factory=list, description="other quantization methods measured for comparison (not served)"
+    )
     acceptance_source: str = Field(
         "measured", description="'measured' here, or where the shipped acceptance (AcceptanceSeed) came from"
     )
@@ -272,6 +292,25 @@ class Profile(_Frozen):
         if len(self.target.batches) < 2:
             raise ValueError("the target curve needs two or more batch sizes")
         return self
+
+    def quantized_method(self, method: str) -> QuantizedProfile | None:
+        """The measurement of one quantization method ("auto": the served one), None if not measured."""
+        if method == "auto":  # what "auto" resolved to when the profile was measured: a weight-only method
+            return self.quantized if self.quantized is not None and self.quantized.method in WEIGHT_ONLY else None
+        return next((q for q in [self.quantized, *self.quantized_others] if q is not None and q.method == method), None)
+
+    def serving(self, method: str) -> Profile:
+        """This profile with `method` as the quantized backend's served method (what the cost model
+        and the policy read as `quantized`); refuses a method the profile did not measure."""
+        chosen = self.quantized_method(method)
+        if chosen is None:
+            measured = [q.method for q in [self.quantized, *self.quantized_others] if q is not None]
+            raise ProfileError(
+                f"the profile has no quantized backend {method!r} measured (measured: {measured or 'none'}): "
+                f"run `specroute profile --quantization {method}`"
+            )
+        others = [q for q in [self.quantized, *self.quantized_others] if q is not None and q is not chosen]
+        return self.model_copy(update={"quantized": chosen, "quantized_others": others})
 
     def drafter(self, name: str) -> DrafterProfile:
         for d in self.drafters:

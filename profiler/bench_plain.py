@@ -13,11 +13,11 @@ from tqdm import tqdm
 from transformers import GenerationConfig
 
 from backends.generation import ChatMessage, GenerationRequest
-from backends.models import LoadedModel, load_model
+from backends.models import LoadedModel
 from backends.plain import PlainEngine
 
 from .hardware import MachineInfo, machine_info, measure_copy_bandwidth, measure_matvec_bandwidth
-from .settings import ModelSettings
+from .settings import BenchTarget, load_target
 
 BENCH_PROMPTS = (
     "Explain why the sky is blue in two sentences.",
@@ -27,7 +27,7 @@ BENCH_PROMPTS = (
 )
 
 
-class BenchPlainConfig(ModelSettings):
+class BenchPlainConfig(BenchTarget):
     max_tokens: int = Field(48, ge=2, le=4096)
     batch_sizes: list[Annotated[int, Field(ge=1)]] = Field(default_factory=lambda: [1, 4, 16, 64], min_length=1)
     rounds: int = Field(3, ge=1)
@@ -67,7 +67,7 @@ class BenchPlainReport(BaseModel):
 
 
 def run_bench_plain(config: BenchPlainConfig) -> BenchPlainReport:
-    loaded = load_model(config.model, config.dtype, config.device, config.threads)
+    loaded = load_target(config)
     engine = PlainEngine(loaded)
     requests = [
         GenerationRequest(messages=[ChatMessage(role="user", content=p)], max_tokens=config.max_tokens, ignore_eos=True)

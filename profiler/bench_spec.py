@@ -18,7 +18,7 @@ from tqdm import tqdm
 from transformers import GenerationConfig
 
 from backends.generation import GenerationRequest, GenerationResult
-from backends.models import LoadedModel, load_model
+from backends.models import LoadedModel
 from backends.plain import PlainEngine
 from backends.speculative.control import StepCosts
 from backends.speculative.drafters import ModelDrafter
@@ -28,13 +28,13 @@ from backends.speculative.stats import SpeculationStats
 from policies.drafters import BENCHED_KINDS, DrafterConfig, DrafterKind, spec
 
 from .hardware import MachineInfo, machine_info
-from .settings import ModelSettings
+from .settings import BenchTarget, load_target
 from .workloads import load_prompt_set
 
 PLAIN = "plain"
 
 
-class BenchSpecConfig(ModelSettings):
+class BenchSpecConfig(BenchTarget):
     max_tokens: int = Field(96, ge=2, le=2048, description="upper bound per request; EOS ends a request earlier")
     categories: list[str] | None = Field(None, description="default: every category of the prompt set")
     prompts_per_category: int = Field(3, ge=1)
@@ -93,7 +93,7 @@ Runner = Callable[[GenerationRequest], GenerationResult | list[int]]
 
 
 def run_bench_spec(config: BenchSpecConfig) -> BenchSpecReport:
-    loaded = load_model(config.model, config.dtype, config.device, config.threads)
+    loaded = load_target(config)
     runners, pairs, costs = _runners(config, loaded)
     prompt_set = load_prompt_set()
     categories = config.categories or list(prompt_set.categories)

@@ -39,15 +39,25 @@ def render_profile(profile: Profile, threshold: float = COMPUTE_BOUND) -> str:
 
 
 def _quantized(profile: Profile) -> list[str]:
-    q = profile.quantized
-    assert q is not None
-    ppl = "" if q.perplexity_delta is None else f", perplexity {q.perplexity_delta:+.1%}"
-    lines = [f"int8 backend ({q.method}): agreement with the target {q.agreement:.1%} (teacher-forced){ppl}"]
-    lines.append("  batch   int8 ms   target ms   speedup")
-    for b, row in zip(q.curve.batches, q.curve.seconds, strict=True):
-        target = profile.target.at(b, 1)
-        lines.append(f"  {b:>5} {row[0] * 1e3:9.1f} {target * 1e3:11.1f} {target / row[0]:8.2f}×")
-    return lines
+    lines: list[str] = []
+    served = profile.quantized
+    for q in [served, *profile.quantized_others]:
+        assert q is not None
+        role = "served" if q is served else "measured for comparison"
+        ppl = "" if q.perplexity_delta is None else f", perplexity {q.perplexity_delta:+.2%}"
+        greedy = "" if q.greedy_match is None else f", identical first greedy tokens on {q.greedy_match:.0%} of prompts"
+        size = "" if q.weight_bytes is None else f"; weights {q.weight_bytes / 2**20:.0f} MiB"
+        err = "" if q.max_weight_error is None else f", max weight error {q.max_weight_error:.3g}"
+        lines += [
+            f"quantized backend {q.method} ({role}): agreement with the target {q.agreement:.1%} (teacher-forced)"
+            f"{ppl}{greedy}{size}{err}",
+            f"  batch   {'quantized ms':>12}   target ms   speedup",
+        ]
+        for b, row in zip(q.curve.batches, q.curve.seconds, strict=True):
+            target = profile.target.at(b, 1)
+            lines.append(f"  {b:>5} {row[0] * 1e3:14.1f} {target * 1e3:11.1f} {target / row[0]:8.2f}×")
+        lines.append("")
+    return lines[:-1]
 
 
 def _target_table(profile: Profile) -> list[str]:

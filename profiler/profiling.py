@@ -31,7 +31,14 @@ from backends.generation import GenerationRequest, GenerationResult
 from backends.kv import PagedCache, kv_bytes_per_token
 from backends.models import LoadedModel, load_model
 from backends.plain import PlainEngine
-from backends.quantized import QuantMethod, calibration_cache, measure_quality, quantize
+from backends.quantized import (
+    calibration_cache,
+    max_weight_error,
+    measure_quality,
+    needs_calibration,
+    quantize,
+    resolve_method,
+)
 from backends.scheduler import seeded_step_costs
 from backends.speculative.control import StepCosts
 from backends.speculative.drafters import Drafter, ModelDrafter
@@ -52,6 +59,7 @@ from policies.profile import (
     QuantizedProfile,
     ShippedQuality,
 )
+from policies.quantization import QuantChoice
 
 from .hardware import machine_info
 from .predictor import cross_validate
@@ -85,8 +93,12 @@ class ProfileConfig(ModelSettings):
     categories: list[str] | None = None
     prompts_per_category: int | None = Field(None, ge=1, description="default: every prompt of the set")
     folds: int = Field(5, ge=2)
-    quantization: QuantMethod | None = Field("smoothquant", description="int8 method to measure; null: none")
-    quality_tokens: int = Field(32, ge=1, le=512, description="greedy tokens per prompt the int8 agreement reads")
+    quantization: list[QuantChoice] = Field(
+        default_factory=lambda: ["auto"],
+        description="quantization methods to measure, the served one first ('auto': the weight-only method the "
+        "weights fit); empty: none",
+    )
+    quality_tokens: int = Field(32, ge=1, le=512, description="greedy tokens per prompt the quantized quality reads")
     acceptance: Literal["auto", "measure", "shipped"] = Field(
         "auto",
         description="auto: use the acceptance shipped for this model when it fits these settings, else measure; "
@@ -138,10 +150,12 @@ def run_profile(config: ProfileConfig, progress: bool = True, log: Callable[[str
         acceptance += measured
         samples += prompt_samples
         drafters.append(drafter_profile(loaded, drafter, kind, config, in_run, progress))
-    quality = _shipped_quality(seed, config)
-    quantized = (
-        measure_quantized(loaded, config, config.quantization, progress, quality) if config.quantization else None
-    )
+    methods = list(dict.fromkeys(resolve_method(loaded, choice) for choice in config.quantization))
+    qualities = [_shipped_quality(seed, config, method) for method in methods]
+    quantized = [
+        measure_quantized(loaded, config, method, progress, quality)
+        for method, quality in zip(methods, qualities, strict=True)
+    ]
     return Profile(
         created=datetime.now(UTC),
         machine=machine_info().model_dump(),
@@ -154,22 +168,25 @@ def run_profile(config: ProfileConfig, progress: bool = True, log: Callable[[str
         acceptance=acceptance,
         samples=samples,
         predictor=[s for t in ("alpha", "proposal_rate") for s in cross_validate(samples, config.folds, target=t)],
-        quantized=quantized,
-        acceptance_source=_source(seed, shipped, quality),
+        quantized=quantized[0] if quantized else None,
+        quantized_others=quantized[1:],
+        acceptance_source=_source(seed, shipped, [q.method for q in qualities if q is not None]),
     )
 
 
-def _shipped_quality(seed: AcceptanceSeed | None, config: ProfileConfig) -> ShippedQuality | None:
-    """The seed's int8 agreement, if it was measured the way this profile would measure it."""
-    if seed is None or seed.quality is None or seed.quality.method != config.quantization:
+def _shipped_quality(seed: AcceptanceSeed | None, config: ProfileConfig, method: str) -> ShippedQuality | None:
+    """The seed's quality of `method`, if it was measured the way this profile would measure it."""
+    if seed is None or seed.settings.get("quality_tokens") != config.quality_tokens:
         return None
-    return seed.quality if seed.settings.get("quality_tokens") == config.quality_tokens else None
+    return seed.quality_of(method)
 
 
-def _source(seed: AcceptanceSeed | None, shipped: list[str], quality: ShippedQuality | None) -> str:
+def _source(seed: AcceptanceSeed | None, shipped: list[str], quality: list[str]) -> str:
     if seed is None or not (shipped or quality):
         return "measured"
-    parts = ([f"acceptance of {', '.join(shipped)}"] if shipped else []) + (["int8 agreement"] if quality else [])
+    parts = ([f"acceptance of {', '.join(shipped)}"] if shipped else []) + (
+        [f"{', '.join(quality)} quality"] if quality else []
+    )
     where = seed.machine.get("cpu") or "another machine"
     return f"shipped with specroute: {' and '.join(parts)}, measured {seed.created:%Y-%m-%d} on {where}"
 
@@ -268,7 +285,6 @@ def write_seed(profile: Profile, path: Path | None = None) -> Path:
         )
     if profile.acceptance_source != "measured":
         raise ProfileError("--ship-acceptance needs acceptance measured in this run: add --acceptance measure")
-    q = profile.quantized
     seed = AcceptanceSeed(
         created=profile.created,
         model=model.name,
@@ -279,48 +295,62 @@ def write_seed(profile: Profile, path: Path | None = None) -> Path:
         drafters=[DrafterName(name=d.name, kind=d.kind) for d in profile.drafters],
         acceptance=list(profile.acceptance),
         samples=list(profile.samples),
-        quality=ShippedQuality(method=q.method, agreement=q.agreement, perplexity_delta=q.perplexity_delta)
-        if q
-        else None,
+        quality=shipped_quality(profile),
     )
     target = path or seed_path(model.name)
     seed.save(target)
     return target
 
 
+def shipped_quality(profile: Profile) -> list[ShippedQuality]:
+    """The machine-independent half of every quantized method the profile measured."""
+    measured = [q for q in [profile.quantized, *profile.quantized_others] if q is not None]
+    return [
+        ShippedQuality(
+            method=q.method, agreement=q.agreement, perplexity_delta=q.perplexity_delta, greedy_match=q.greedy_match
+        )
+        for q in measured
+    ]
+
+
 def measure_quantized(
     loaded: LoadedModel,
     config: ProfileConfig,
-    method: QuantMethod,
+    method: str,
     progress: bool,
     shipped: ShippedQuality | None = None,
 ) -> QuantizedProfile:
-    """The int8 backend as it will be served: smoothed on one half of the prompt set, its 1-token
-    pass timed like the target's, its quality measured on the other half (or shipped)."""
+    """The quantized backend as it will be served: (smoothed on one half of the prompt set, for
+    the W8A8 methods,) its 1-token pass timed like the target's, its quality measured on the other
+    half (or shipped)."""
     calibration, evaluation = quantization_split()
     engine = PlainEngine(loaded)
+    calibration_ids = [engine.encode(_request(p, 1)) for p in calibration] if needs_calibration(method) else []
     with all_cores():  # an untimed pass over every calibration token: no reason to leave a core idle
-        int8 = quantize(loaded, [engine.encode(_request(p, 1)) for p in calibration], method, calibration_cache())
-    curve = measure_curve(int8, config, [1], f"int8 {method} t(b, 1)", progress)
+        quantized = quantize(loaded, calibration_ids, method, calibration_cache())  # type: ignore[arg-type]
+    curve = measure_curve(quantized, config, [1], f"{method} t(b, 1)", progress)
+    measured = {
+        "method": method,
+        "curve": curve,
+        "weight_bytes": quantized.info.weight_bytes,
+        "max_weight_error": max_weight_error(quantized.model),
+    }
     if shipped is not None:
         return QuantizedProfile(
-            method=method,
-            curve=curve,
+            **measured,
             agreement=shipped.agreement,
             perplexity_delta=shipped.perplexity_delta,
-            weight_bytes=int8.info.weight_bytes,
+            greedy_match=shipped.greedy_match,
         )
     requests = [_request(p, config.quality_tokens) for p in evaluation]
-    answers = engine.generate(requests)
-    sequences = [engine.encode(r) + a.token_ids for r, a in zip(requests, answers, strict=True)]
     texts = [m.content for p in evaluation for m in p.messages]
-    quality = measure_quality(loaded, int8, sequences, texts)
+    with all_cores():  # untimed, and the slowest part of a first start without shipped quality
+        quality = measure_quality(loaded, quantized, requests, texts)
     return QuantizedProfile(
-        method=method,
-        curve=curve,
+        **measured,
         agreement=quality.agreement,
         perplexity_delta=quality.perplexity_delta,
-        weight_bytes=int8.info.weight_bytes,
+        greedy_match=quality.greedy_match,
     )
 
 

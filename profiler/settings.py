@@ -5,9 +5,33 @@ from __future__ import annotations
 
 from pydantic import BaseModel, Field
 
+from backends.models import LoadedModel, load_model
+from backends.quantized import needs_calibration, quantize, resolve_method
+from policies.quantization import WEIGHT_ONLY, QuantChoice
+
 
 class ModelSettings(BaseModel):
     model: str = Field("embedded", description="'embedded', a local directory, a .gguf file or a HF id")
     dtype: str = "float32"
     device: str = "cpu"
     threads: int | None = Field(None, ge=1, description="torch intra-op threads (default: torch's)")
+
+
+class BenchTarget(ModelSettings):
+    """A bench's target: the model, or (`quantize`) the quantized backend's target built from it."""
+
+    quantize: QuantChoice | None = Field(
+        None, description="bench the target quantized by this weight-only/int8 method (the quantized backend's)"
+    )
+
+
+def load_target(config: BenchTarget) -> LoadedModel:
+    loaded = load_model(config.model, config.dtype, config.device, config.threads)
+    if config.quantize is None:
+        return loaded
+    method = resolve_method(loaded, config.quantize)
+    if needs_calibration(method):
+        raise ValueError(
+            f"--quantize {method}: benches take a method without calibration (auto, {', '.join(WEIGHT_ONLY)})"
+        )
+    return quantize(loaded, method=method)

@@ -33,6 +33,58 @@ class Predictors:
         return cls(AlphaPredictor.from_profile(profile, target="alpha"), rho)
 
 
+class BackendSummary(BaseModel):
+    """One backend's weights as the profile measured them: what it holds in memory and, for the
+    quantized backend, its method and measured quality against the full-precision target."""
+
+    backend: str
+    weights: str = Field(description="the target's dtype, or the quantization method")
+    weight_bytes: int | None = Field(description="resident weight bytes of the target (drafters separate)")
+    drafter_bytes: dict[str, int] = Field(default_factory=dict, description="weights each drafter adds")
+    agreement: float | None = Field(None, description="teacher-forced top-1 agreement with the full-precision target")
+    perplexity_delta: float | None = None
+    greedy_match: float | None = Field(None, description="share of held-out prompts with identical greedy tokens")
+    max_weight_error: float | None = None
+
+
+def backend_summaries(profile: Profile) -> list[BackendSummary]:
+    m, q = profile.model, profile.quantized
+    drafters = {d.name: d.weight_bytes for d in profile.drafters if d.weight_bytes}
+    rows = [
+        BackendSummary(backend="speculative", weights=m.dtype, weight_bytes=m.weight_bytes, drafter_bytes=drafters),
+        BackendSummary(backend="plain", weights=m.dtype, weight_bytes=m.weight_bytes),
+    ]
+    if q is not None:
+        rows.append(
+            BackendSummary(
+                backend="quantized",
+                weights=q.method,
+                weight_bytes=q.weight_bytes,
+                agreement=q.agreement,
+                perplexity_delta=q.perplexity_delta,
+                greedy_match=q.greedy_match,
+                max_weight_error=q.max_weight_error,
+            )
+        )
+    return rows
+
+
+def render_backends(rows: list[BackendSummary]) -> list[str]:
+    lines = ["backends (weights resident; quality against the full-precision target, measured by the profile):"]
+    for r in rows:
+        size = "—" if r.weight_bytes is None else f"{r.weight_bytes / 2**20:.0f} MiB"
+        extra = "".join(f", + {name} {b / 2**20:.0f} MiB" for name, b in r.drafter_bytes.items())
+        quality = ""
+        if r.agreement is not None:
+            quality = f"; agreement {r.agreement:.1%}"
+            if r.perplexity_delta is not None:
+                quality += f", perplexity {r.perplexity_delta:+.2%}"
+            if r.greedy_match is not None:
+                quality += f", identical greedy answers {r.greedy_match:.0%}"
+        lines.append(f"  {r.backend:12} {r.weights:18} {size}{extra}{quality}")
+    return lines
+
+
 class Advice(BaseModel):
     """What `advise --json` prints: the decision at the top level, plus what it was computed from."""
 
@@ -49,6 +101,7 @@ class Advice(BaseModel):
     elasticity: float
     features: RequestFeatures
     profile: str = Field(description="when and on what the profile was measured")
+    backends: list[BackendSummary] = Field(default_factory=list, description="each backend's weights and quality")
 
 
 def request_features(
@@ -106,6 +159,7 @@ def to_advice(decision: Decision, features: RequestFeatures, profile: Profile, c
         elasticity=decision.elasticity,
         features=features,
         profile=f"{m.name} {m.dtype} on {profile.machine.get('cpu')}, measured {profile.created:%Y-%m-%d %H:%M} UTC",
+        backends=backend_summaries(profile),
     )
 
 
@@ -136,7 +190,7 @@ def render_advice(advice: Advice) -> str:
     for drafter, b in advice.break_even.items():
         where = f"from concurrency {b}" if b is not None else f"at any concurrency up to {top}"
         lines.append(f"  speculation with {drafter} on this request stops beating plain decoding {where}")
-    lines += ["", f"profile: {advice.profile}"]
+    lines += ["", *render_backends(advice.backends), "", f"profile: {advice.profile}"]
     return "\n".join(lines)
 
 

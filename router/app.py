@@ -23,7 +23,7 @@ from backends.errors import Overloaded, RequestError
 from backends.generation import GenerationResult
 from backends.streaming import StreamEvent
 
-from .advise import to_advice
+from .advise import backend_summaries, to_advice
 from .core import Routed, RouterCore
 from .report import latest_dir
 from .schemas import (
@@ -112,6 +112,8 @@ def create_app(model_id: str, api_key: str | None = None) -> FastAPI:
     async def models(request: Request) -> dict[str, Any]:
         _authorize(request)
         entry = {"id": _setting(request, "model_id"), "object": "model", "created": 0, "owned_by": "specroute"}
+        # specroute's own field: what each backend holds in memory and the quantized one's measured quality.
+        entry["specroute"] = {"backends": [b.model_dump() for b in backend_summaries(_core(request).profile)]}
         return {"object": "list", "data": [entry]}
 
     @app.post("/v1/chat/completions", response_model=None)

@@ -14,6 +14,7 @@ from pydantic import ValidationError
 
 from policies.drafters import BENCHED_KINDS, KINDS, SERVED_KINDS, TRAINED_KINDS, DrafterConfig, option_kinds
 from policies.errors import UserError
+from policies.quantization import QUANT_CHOICES
 
 if TYPE_CHECKING:
     from backends.generation import GenerationResult
@@ -186,6 +187,12 @@ def _add_profile_args(parser: argparse.ArgumentParser) -> None:
         help="also write the measured acceptance and int8 agreement as the ones specroute ships for the embedded "
         "default (float32 only; implies --acceptance measure)",
     )
+    parser.add_argument(
+        "--quantization",
+        default="auto",
+        help=f"comma-separated quantization methods to measure, the served one first ({', '.join(QUANT_CHOICES)}; "
+        "auto: the weight-only method the weights fit; 'none': no quantized backend)",
+    )
     parser.add_argument("--out", help="where the profile goes (default: under SPECROUTE_HOME, per model)")
     parser.add_argument("--json", action="store_true", help="print the profile as JSON instead of the report")
 
@@ -218,6 +225,14 @@ def _add_model_fit_args(parser: argparse.ArgumentParser) -> None:
     _add_drafter_args(parser)
     parser.add_argument("--out", default="bench-model-fit.json", help="where the JSON results go ('-' for none)")
     parser.add_argument("--json", action="store_true", help="print the JSON instead of the tables")
+
+
+def _add_quantize_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--quantize",
+        choices=["auto", "int8-weight-only", "int4-weight-only", "dynamic"],
+        help="bench the quantized backend's target: the model quantized weight-only (auto: the method its weights fit)",
+    )
 
 
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
@@ -256,6 +271,7 @@ def _add_bench_plain_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of ours vs generate")
     parser.add_argument("--json", action="store_true", help="print the results as one JSON object")
     _add_model_args(parser)
+    _add_quantize_flag(parser)
 
 
 def _add_bench_spec_args(parser: argparse.ArgumentParser) -> None:
@@ -270,6 +286,7 @@ def _add_bench_spec_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="bench-spec.json", help="where the JSON results go ('-' for none)")
     parser.add_argument("--json", action="store_true", help="print the JSON instead of the tables")
     _add_model_args(parser)
+    _add_quantize_flag(parser)
 
 
 def _add_serve_args(parser: argparse.ArgumentParser) -> None:
@@ -280,6 +297,13 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-batch", type=int, default=32, help="most requests one backend batch takes")
     _add_drafters_flag(parser, SERVED_KINDS, "drafters the speculative backend loads")
     parser.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (default: $SPECROUTE_API_KEY)")
+    parser.add_argument(
+        "--quantization",
+        default="auto",
+        choices=QUANT_CHOICES,
+        help="the quantized backend's method (auto: int4-weight-only for weights on a group-32 4-bit grid, as GGUF "
+        "Q4 checkpoints are, else int8-weight-only)",
+    )
     _add_model_args(parser)
 
 
@@ -359,6 +383,7 @@ def run_serve(args: argparse.Namespace) -> int:
         threads=args.threads or 1,  # three replicas share the cores: one torch thread each unless told
         max_batch=args.max_batch,
         drafters=_str_list(args.drafters),
+        quantization=args.quantization,
     )
     settings = ServiceSettings(backend=backend, profile=args.profile, api_key=args.api_key)
     if not 1 <= args.port <= 65535:
@@ -453,6 +478,7 @@ def run_bench_plain(args: argparse.Namespace) -> int:
 
     config = BenchPlainConfig(
         **_model_fields(args),
+        quantize=args.quantize,
         max_tokens=args.max_tokens,
         batch_sizes=_int_list(args.batches, "--batches"),
         rounds=args.rounds,
@@ -468,6 +494,7 @@ def run_bench_spec(args: argparse.Namespace) -> int:
 
     config = BenchSpecConfig(
         **_model_fields(args),
+        quantize=args.quantize,
         max_tokens=args.max_tokens,
         categories=_str_list(args.categories) if args.categories else None,
         prompts_per_category=args.prompts,
@@ -498,6 +525,7 @@ def run_profile(args: argparse.Namespace) -> int:
         categories=_str_list(args.categories) if args.categories else None,
         prompts_per_category=args.prompts,
         acceptance="measure" if args.ship_acceptance else args.acceptance,
+        quantization=[] if args.quantization == "none" else _str_list(args.quantization),
     )
     if args.ship_acceptance and (args.model not in ("embedded", "default") or args.dtype != "float32"):
         raise UsageError("--ship-acceptance is for the embedded default in float32 (--model embedded --dtype float32)")

@@ -48,6 +48,7 @@ def ensure_profile(settings: ServiceSettings, log: Callable[[str], None] = print
         drafters=b.drafters,
         drafter=b.drafter,
         batches=batches_up_to(b.max_batch),  # the largest batch a replica will run
+        quantization=[b.quantization],
     )
     run_profile(config, progress=True, log=log).save(path)
     log(f"profile written to {path}")

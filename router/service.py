@@ -127,7 +127,7 @@ class Router:
         settings: dict[str, Any],
     ):
         s = ServiceSettings.model_validate(settings)
-        profile = Profile.load(s.profile_path())
+        profile = Profile.load(s.profile_path()).serving(s.backend.quantization)
         tokenizer = load_tokenizer(s.backend.model)
         policy = load_policy(s.policy) if s.policy else default_policy()
         pool = HandlePool({"speculative": speculative, "plain": plain, "quantized": quantized})
@@ -155,7 +155,7 @@ def build_app(args: dict[str, Any], policy: dict[str, Any] | None = None) -> ser
     options = {"ray_actor_options": {"num_cpus": settings.backend_cpus}}
     speculative = SpeculativeBackend.options(**options).bind(backend_args)
     plain = PlainBackend.options(**options).bind(backend_args)
-    # The int8 kernels are CPU kernels over float32 weights, wherever the other backends run.
+    # The quantized kernels are CPU kernels over float32 weights, wherever the other backends run.
     calibration = [[m.model_dump() for m in p.messages] for p in quantization_split()[0]]
     quantized = QuantizedBackend.options(**options).bind(
         {**backend_args, "device": "cpu", "dtype": "float32", "calibration": calibration}
@@ -178,4 +178,4 @@ def check_profile(settings: ServiceSettings) -> Profile:
         model = EMBEDDED_NAME
     if profile.model.name != model:
         raise ProfileError(f"{path} profiles {profile.model.name}, not {model}: profile this model first")
-    return profile
+    return profile.serving(settings.backend.quantization)

@@ -24,6 +24,7 @@ from transformers import PreTrainedModel
 
 from policies.drafters import DrafterConfig
 
+from ..errors import ModelLoadError
 from ..kv import UNBOUNDED_TOKENS, PagedCache
 from ..models import LoadedModel, resolve_dtype
 from .drafters import (
@@ -173,12 +174,19 @@ def build_medusa(config: DrafterConfig, target: LoadedModel) -> Drafter:
 
 
 def build_adapter(config: DrafterConfig, target: LoadedModel) -> Drafter:
-    """The adapter runs in the target's dtype: it sits between the target's own layers."""
-    trained = _load(config, target, target.info.dtype)
+    """The adapter runs in the target's dtype: it sits between the target's own layers (float32
+    over a quantized target, whose layers take and return float32)."""
+    dtype = target.info.dtype if target.info.dtype in ("float32", "bfloat16") else "float32"
+    trained = _load(config, target, dtype)
     return named(ModelDrafter(adapter_exit_model(target.model, trained), target.model.config.vocab_size), config)
 
 
 def _load(config: DrafterConfig, target: LoadedModel, dtype: str) -> TrainedDrafter:
     """EAGLE and Medusa run in `draft_dtype` (their own small weights)."""
+    if dtype not in ("float32", "bfloat16"):
+        raise ModelLoadError(
+            f"{config.kind} heads run in float32 or bfloat16, not {dtype}: weight-only draft dtypes are for the "
+            "model drafter (--draft-dtype float32 or bfloat16 here)"
+        )
     path = resolve_weights(config.weights, config.kind, target.info.name)
     return load_drafter(path, target.model, target.tokenizer, resolve_dtype(dtype))

@@ -1,5 +1,6 @@
-"""The int8 target: smoothing is exact in float, quantization leaves the original untouched, and
-smoothing is what makes int8 agree with the target (measured on held-out prompts of the set)."""
+"""The quantized target: weight-only methods replace the linear layers and agree closely with the
+target, smoothing is exact in float, quantization leaves the original untouched, and smoothing is
+what makes W8A8 agree with the target (measured on held-out prompts of the set)."""
 
 import copy
 import dataclasses
@@ -11,7 +12,8 @@ from torch import nn
 from backends.errors import ModelLoadError
 from backends.generation import GenerationRequest
 from backends.models import LoadedModel
-from backends.quantized import _activation_maxima, _smooth, measure_quality, perplexity, quantize
+from backends.quantized import _activation_maxima, _smooth, measure_quality, perplexity, quantize, resolve_method
+from backends.weight_only import Int4WeightOnlyLinear, Int8WeightOnlyLinear
 from profiler.workloads import quantization_split
 
 pytestmark = pytest.mark.slow
@@ -25,11 +27,11 @@ def split(engine):
     answers = engine.generate(requests)
     held_out = [engine.encode(r) + a.token_ids for r, a in zip(requests, answers, strict=True)]
     texts = [m.content for p in evaluation[:6] for m in p.messages]
-    return ids, held_out, texts
+    return ids, requests, held_out, texts
 
 
 def test_smoothing_leaves_the_float_function_unchanged(loaded, split):
-    ids, held_out, _ = split
+    ids, _, held_out, _ = split
     model = copy.deepcopy(loaded.model)
     _smooth(model, _activation_maxima(model, ids), 0.8)
     tokens = torch.tensor([held_out[0]])
@@ -40,8 +42,35 @@ def test_smoothing_leaves_the_float_function_unchanged(loaded, split):
     torch.testing.assert_close(after, before, rtol=1e-3, atol=2e-3)
 
 
+def test_auto_takes_int4_for_the_embedded_q4_1_checkpoint(loaded):
+    assert resolve_method(loaded, "auto") == "int4-weight-only"
+
+
+@pytest.mark.parametrize(
+    "method,layer", [("int8-weight-only", Int8WeightOnlyLinear), ("int4-weight-only", Int4WeightOnlyLinear)]
+)
+def test_weight_only_replaces_every_linear_layer_but_the_head(loaded, method, layer):
+    weight = loaded.model.model.layers[0].mlp.down_proj.weight.clone()
+    quantized = quantize(loaded, method=method)
+    made = [m for m in quantized.model.modules() if isinstance(m, layer)]
+    assert len(made) == 7 * len(loaded.model.model.layers)
+    assert isinstance(quantized.model.lm_head, nn.Linear)
+    assert quantized.info.dtype == method and quantized.info.weight_bytes < loaded.info.weight_bytes / 2
+    assert torch.equal(loaded.model.model.layers[0].mlp.down_proj.weight, weight)
+
+
+def test_weight_only_agrees_closely_and_smoothquant_less(loaded, split):
+    ids, requests, _, texts = split
+    int4 = measure_quality(loaded, quantize(loaded, method="int4-weight-only"), requests, texts)
+    smooth = measure_quality(loaded, quantize(loaded, ids, "smoothquant"), requests, texts)
+    # Measured on the whole held-out half (35 prompts, 32 tokens): int4 99.0 %, int8 96.5 %, smoothquant 80.7 %.
+    assert int4.agreement > 0.95 and int4.agreement > smooth.agreement
+    assert abs(int4.perplexity_delta) < 0.01
+    assert 0 <= int4.greedy_match <= 1 and int4.prompts == len(requests) and int4.greedy_tokens == 12
+
+
 def test_quantize_makes_int8_layers_and_leaves_the_target_alone(loaded, split):
-    ids, _, _ = split
+    ids = split[0]
     weight = loaded.model.model.layers[0].self_attn.q_proj.weight.clone()
     int8 = quantize(loaded, ids, "smoothquant")
     quantized = [m for m in int8.model.modules() if isinstance(m, torch.ao.nn.quantized.dynamic.Linear)]
@@ -52,10 +81,10 @@ def test_quantize_makes_int8_layers_and_leaves_the_target_alone(loaded, split):
 
 
 def test_smoothing_is_what_makes_int8_agree_with_the_target(loaded, split):
-    ids, held_out, texts = split
-    raw = measure_quality(loaded, quantize(loaded, ids, "dynamic"), held_out, texts)
-    smooth = measure_quality(loaded, quantize(loaded, ids, "smoothquant"), held_out, texts)
-    kept = measure_quality(loaded, quantize(loaded, ids, "smoothquant-fp32-down"), held_out, texts)
+    ids, requests, held_out, texts = split
+    raw = measure_quality(loaded, quantize(loaded, ids, "dynamic"), requests, texts)
+    smooth = measure_quality(loaded, quantize(loaded, ids, "smoothquant"), requests, texts)
+    kept = measure_quality(loaded, quantize(loaded, ids, "smoothquant-fp32-down"), requests, texts)
     # Measured here on the whole held-out half: raw 0.47, smoothquant 0.81, fp32 down 0.9+.
     assert smooth.agreement > raw.agreement + 0.1
     assert kept.agreement >= smooth.agreement - 0.02
@@ -64,14 +93,14 @@ def test_smoothing_is_what_makes_int8_agree_with_the_target(loaded, split):
 
 
 def test_a_model_agrees_with_itself_and_keeps_its_perplexity(loaded, split):
-    _, held_out, texts = split
-    same = measure_quality(loaded, loaded, held_out[:2], texts[:2])
-    assert same.agreement == 1.0 and same.perplexity_delta == pytest.approx(0.0)
+    _, requests, _, texts = split
+    same = measure_quality(loaded, loaded, requests[:2], texts[:2])
+    assert same.agreement == 1.0 and same.greedy_match == 1.0 and same.perplexity_delta == pytest.approx(0.0)
     assert perplexity(loaded, texts[:2]) > 1
 
 
 def test_quantize_refuses_what_it_cannot_do(loaded, split):
-    ids, _, _ = split
+    ids = split[0]
     with pytest.raises(ModelLoadError, match="unknown quantization method"):
         quantize(loaded, ids, "int4")
     with pytest.raises(ModelLoadError, match="calibration"):
@@ -79,5 +108,8 @@ def test_quantize_refuses_what_it_cannot_do(loaded, split):
     bf16 = LoadedModel(loaded.model, loaded.tokenizer, dataclasses.replace(loaded.info, dtype="bfloat16"))
     with pytest.raises(ModelLoadError, match="float32"):
         quantize(bf16, ids)
+    on_gpu = LoadedModel(loaded.model, loaded.tokenizer, dataclasses.replace(loaded.info, device="cuda"))
+    with pytest.raises(ModelLoadError, match="device cpu"):
+        quantize(on_gpu, method="int8-weight-only")
     with pytest.raises(ValueError, match="two or more tokens"):
         perplexity(loaded, ["a"])

@@ -76,7 +76,10 @@ def sample(
 
 
 def synthetic_profile(
-    quantized_agreement: float | None = None, quantized_speed: float = 0.6, model_alpha: float = 0.9
+    quantized_agreement: float | None = None,
+    quantized_speed: float = 0.6,
+    model_alpha: float = 0.9,
+    quantized_method: str = "int4-weight-only",
 ) -> Profile:
     """ngram: nearly free, α 0.8 on 'copy' and 0.1 on 'prose'; model: a draft step costing 40 % of a
     target step at batch 1, α `model_alpha`. Optionally an int8 backend `quantized_speed` × the
@@ -108,7 +111,7 @@ def synthetic_profile(
     quantized = None
     if quantized_agreement is not None:
         quantized = QuantizedProfile(
-            method="int8 test",
+            method=quantized_method,
             curve=curve(FIXED * quantized_speed, PER_TOKEN * quantized_speed),
             agreement=quantized_agreement,
         )

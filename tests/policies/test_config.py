@@ -35,6 +35,7 @@ def test_defaults():
     assert policy.quantization.model_dump() == {
         "enabled": True,
         "min_agreement": 0.95,
+        "when_faster": True,
         "min_concurrency": 16,
         "memory_pressure": 0.85,
         "on_slo_miss": True,

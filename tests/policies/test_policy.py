@@ -121,10 +121,18 @@ def test_quantization_at_high_load_when_allowed():
     assert any("concurrency 32 ≥ 16" in r and "97.0% agreement" in r for r in decision.reasons)
 
 
-def test_quantization_needs_a_justifying_load():
-    decision = decide(features("prose"), load(2), synthetic_profile(quantized_agreement=0.97), policy())
+def test_quantization_needs_a_justifying_load_unless_faster_is_enough():
+    config = policy(quantization={"when_faster": False})
+    decision = decide(features("prose"), load(2), synthetic_profile(quantized_agreement=0.97), config)
     assert decision.backend == "plain"
     assert any(r.startswith("quantization: not justified") for r in decision.reasons)
+
+
+def test_above_the_floor_a_faster_quantized_backend_serves_at_any_load():
+    decision = decide(features("prose"), load(1), synthetic_profile(quantized_agreement=0.99), policy())
+    assert (decision.backend, decision.stage) == ("quantized", "quantization")
+    reason = next(r for r in decision.reasons if r.startswith("quantization"))
+    assert "quality 99.0% ≥ floor 95.0%" in reason and "faster per token" in reason
 
 
 def test_quantization_is_off_when_the_config_says_so():
@@ -148,7 +156,7 @@ def test_quantization_must_be_predicted_to_win():
 
 
 def test_memory_pressure_justifies_quantization():
-    config = policy(quantization={"min_concurrency": None})
+    config = policy(quantization={"min_concurrency": None, "when_faster": False})
     profile = synthetic_profile(quantized_agreement=0.97)
     assert decide(features("prose"), load(2, memory=0.5), profile, config).backend == "plain"
     decision = decide(features("prose"), load(2, memory=0.9), profile, config)
@@ -157,7 +165,7 @@ def test_memory_pressure_justifies_quantization():
 
 
 def test_an_slo_miss_justifies_quantization_and_is_reported():
-    config = policy(quantization={"min_concurrency": None}, slo={"tpot_ms": 60})
+    config = policy(quantization={"min_concurrency": None, "when_faster": False}, slo={"tpot_ms": 60})
     decision = decide(features("prose"), load(2), synthetic_profile(quantized_agreement=0.97), config)
     assert decision.backend == "quantized"
     assert any("misses the TPOT SLO" in r for r in decision.reasons)

@@ -91,3 +91,31 @@ def test_drafters_and_acceptance_are_found_by_kind_or_name():
 
 def test_synthetic_curve_matches_its_closed_form():
     assert curve().at(8, 5) == pytest.approx(FIXED + PER_TOKEN * 40)
+
+
+def test_the_served_quantization_method_is_the_one_the_service_names():
+    profile = synthetic_profile(quantized_agreement=0.99)
+    other = profile.quantized.model_copy(update={"method": "smoothquant", "agreement": 0.81})
+    both = profile.model_copy(update={"quantized_others": [other]})
+    assert both.quantized_method("auto").method == "int4-weight-only"  # auto resolved to a weight-only method
+    swapped = both.serving("smoothquant")
+    assert swapped.quantized.method == "smoothquant" and [q.method for q in swapped.quantized_others] == [
+        "int4-weight-only"
+    ]
+    with pytest.raises(ProfileError, match=r"no quantized backend 'int8-weight-only' measured.*--quantization"):
+        both.serving("int8-weight-only")
+    w8a8 = synthetic_profile(quantized_agreement=0.8, quantized_method="smoothquant")
+    with pytest.raises(ProfileError, match="'auto'"):  # what auto serves was not measured there
+        w8a8.serving("auto")
+
+
+def test_a_seed_written_with_one_quality_still_reads():
+    from pathlib import Path
+
+    from policies.profile import AcceptanceSeed
+
+    seed = json.loads((Path(__file__).parents[2] / "profiler/defaults/smollm2-135m-instruct.json").read_text())
+    seed["quality"] = {"method": "smoothquant", "agreement": 0.8, "perplexity_delta": 0.15}  # the old shape
+    read = AcceptanceSeed.model_validate(seed)
+    assert [q.method for q in read.quality] == ["smoothquant"] and read.quality_of("smoothquant").agreement == 0.8
+    assert read.quality_of("int4-weight-only") is None

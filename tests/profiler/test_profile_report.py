@@ -55,9 +55,9 @@ def test_acceptance_rows_show_each_categorys_measured_rates(lines):
     assert table[("prose", "model:draft@bfloat16")][:4] == ["8", "1.00", "0.90", "0.90"]
 
 
-def test_the_int8_section_shows_agreement_and_speed_against_the_target(lines):
-    assert "int8 backend (int8 test): agreement with the target 97.0% (teacher-forced)" in lines
-    table = {int(r[0]): r[1:] for r in rows(lines, "int8 backend")}
+def test_the_quantized_section_shows_method_agreement_and_speed_against_the_target(lines):
+    assert "quantized backend int4-weight-only (served): agreement with the target 97.0% (teacher-forced)" in lines
+    table = {int(r[0]): r[1:] for r in rows(lines, "quantized backend")}
     for b in BATCHES:
         target = step(b, 1)
         int8 = step(b, 1, 0.6 * FIXED, 0.6 * PER_TOKEN)  # the profile's int8 curve: 0.6 × the target's

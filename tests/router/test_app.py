@@ -456,6 +456,10 @@ def test_streaming_completion(client):
 def test_models_and_healthz(client):
     models = client.get("/v1/models").json()
     assert models["object"] == "list" and [m["id"] for m in models["data"]] == [MODEL]
+    backends = {b["backend"]: b for b in models["data"][0]["specroute"]["backends"]}
+    assert set(backends) <= {"speculative", "plain", "quantized"} and backends["plain"]["weight_bytes"] > 0
+    if "quantized" in backends:  # the method it serves, its memory and its measured quality
+        assert backends["quantized"]["weights"] and backends["quantized"]["agreement"] is not None
     health = client.get("/healthz").json()
     assert health["status"] == "ok" and health["model"] == MODEL and health["policy_error"] is None
     assert health["policy"]["speculation"]["enabled"] is True

@@ -1,0 +1,16 @@
+"""The quantization methods' names: what settings, profiles and the policy may say (the kernels
+live in `backends.quantized` and `backends.weight_only`)."""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+WeightOnlyMethod = Literal["int8-weight-only", "int4-weight-only"]
+QuantMethod = Literal["int8-weight-only", "int4-weight-only", "smoothquant", "smoothquant-fp32-down", "dynamic"]
+QUANT_METHODS: tuple[str, ...] = get_args(QuantMethod)
+WEIGHT_ONLY: tuple[str, ...] = get_args(WeightOnlyMethod)
+# What settings may name: a method, or "auto" — int4-weight-only when every linear weight already
+# sits on a group-32 4-bit grid (a GGUF Q4_0/Q4_1 checkpoint such as the embedded default, which
+# int4 then holds as it is), else int8-weight-only (any layout).
+QuantChoice = Literal["auto", QuantMethod]
+QUANT_CHOICES: tuple[str, ...] = ("auto", *QUANT_METHODS)
