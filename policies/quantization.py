@@ -14,3 +14,5 @@ WEIGHT_ONLY: tuple[str, ...] = get_args(WeightOnlyMethod)
 # int4 then holds as it is), else int8-weight-only (any layout).
 QuantChoice = Literal["auto", QuantMethod]
 QUANT_CHOICES: tuple[str, ...] = ("auto", *QUANT_METHODS)
+# The choices that read no calibration activations (what a bench can quantize on the spot).
+UNCALIBRATED: tuple[str, ...] = ("auto", *WEIGHT_ONLY, "dynamic")

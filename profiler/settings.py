@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from pydantic import BaseModel, Field
 
+from backends.errors import ModelLoadError
 from backends.models import LoadedModel, load_model
 from backends.quantized import needs_calibration, quantize, resolve_method
-from policies.quantization import WEIGHT_ONLY, QuantChoice
+from policies.quantization import UNCALIBRATED, QuantChoice
 
 
 class ModelSettings(BaseModel):
@@ -31,7 +32,7 @@ def load_target(config: BenchTarget) -> LoadedModel:
         return loaded
     method = resolve_method(loaded, config.quantize)
     if needs_calibration(method):
-        raise ValueError(
-            f"--quantize {method}: benches take a method without calibration (auto, {', '.join(WEIGHT_ONLY)})"
+        raise ModelLoadError(
+            f"--quantize {method}: benches take a method without calibration ({', '.join(UNCALIBRATED)})"
         )
     return quantize(loaded, method=method)

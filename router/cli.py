@@ -14,7 +14,7 @@ from pydantic import ValidationError
 
 from policies.drafters import BENCHED_KINDS, KINDS, SERVED_KINDS, TRAINED_KINDS, DrafterConfig, option_kinds
 from policies.errors import UserError
-from policies.quantization import QUANT_CHOICES
+from policies.quantization import QUANT_CHOICES, UNCALIBRATED
 
 if TYPE_CHECKING:
     from backends.generation import GenerationResult
@@ -230,7 +230,7 @@ def _add_model_fit_args(parser: argparse.ArgumentParser) -> None:
 def _add_quantize_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--quantize",
-        choices=["auto", "int8-weight-only", "int4-weight-only", "dynamic"],
+        choices=UNCALIBRATED,
         help="bench the quantized backend's target: the model quantized weight-only (auto: the method its weights fit)",
     )
 
