@@ -2,7 +2,8 @@
 from the full-precision target.
 
 Methods (`QUANT_METHODS`; the backend serves one, the profile measures each it is asked for):
-- `int8-weight-only` (the default) and `int4-weight-only`: weights quantized, activations kept
+- `int8-weight-only` and `int4-weight-only` (`auto`, the default, picks one: int4 for weights on
+  a group-32 4-bit grid, else int8): weights quantized, activations kept
   float, computed by torch's fused CPU kernels (`backends.weight_only`). Decode at small batch is
   bound by the bytes of weights read, which these cut 4× and 8× from float32. int4 uses groups of
   32 with a scale and an offset: the layout of GGUF's Q4_1 blocks, in which the embedded default
@@ -41,7 +42,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from policies.quantization import QUANT_CHOICES, QUANT_METHODS, WEIGHT_ONLY, QuantChoice, QuantMethod
+from policies.quantization import QUANT_CHOICES, QUANT_METHODS, UNCALIBRATED, WEIGHT_ONLY, QuantChoice, QuantMethod
 
 from .embedded import specroute_home
 from .errors import ModelLoadError
@@ -131,7 +132,7 @@ def _linears(model: nn.Module) -> dict[str, nn.Linear]:
 
 def needs_calibration(method: str) -> bool:
     """Whether the method reads calibration activations (the smoothed W8A8 ones)."""
-    return method not in (*WEIGHT_ONLY, "dynamic")
+    return method not in UNCALIBRATED
 
 
 def _llama_like(layer: nn.Module) -> bool:

@@ -134,7 +134,8 @@ def on_int4_grid(linears: dict[str, nn.Linear], tolerance: float = 1e-3) -> bool
         if k % GROUP:
             return False
         groups = layer.weight.detach().float().reshape(n, k // GROUP, GROUP)
-        low, span = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True) - groups.amin(-1, keepdim=True)
+        low = groups.amin(-1, keepdim=True)
+        span = groups.amax(-1, keepdim=True) - low
         steps = (groups - low) / span.clamp(min=1e-12) * 15
         if float((steps - steps.round()).abs().max()) > tolerance:
             return False
