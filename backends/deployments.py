@@ -30,7 +30,7 @@ from ray import serve
 from ray.serve.metrics import Gauge
 
 from policies.drafters import SERVED_KINDS, DrafterConfig, DrafterKind
-from policies.profile import Profile
+from policies.profile import AcceptanceMap, Profile
 from policies.quantization import QuantChoice
 
 from .errors import ModelLoadError, Overloaded, RequestError
@@ -188,12 +188,13 @@ class SpeculativeBackend(_Backend):
         self.costs = _seeded_costs(self.loaded, s.profile) or step_costs(self.loaded, s.k_max + 1)
         self.costs.ensure(s.max_batch)  # probe what the profile did not measure before any request's clock starts
         self.draft_costs = _seeded_draft_costs(s.profile, [d.name for d in self.drafters], s.max_batch)
+        self.acceptance_maps = _acceptance_maps(s.profile)
         self.start(self.loaded)
 
     def scheduler(self) -> Scheduler:
         s = self.settings
         drafters = [d.fresh() for d in self.drafters]  # per-sequence state of its own, weights shared
-        return Scheduler(self.target, s, drafters, "auto", s.k_max, self.costs, self.draft_costs)
+        return Scheduler(self.target, s, drafters, "auto", s.k_max, self.costs, self.draft_costs, self.acceptance_maps)
 
     def drafter_name(self, drafter: str | None) -> str | None:
         return self.names.get(drafter, drafter) if drafter is not None else None
@@ -217,6 +218,11 @@ def _seeded_draft_costs(profile: str | None, names: list[str], max_batch: int) -
     return {
         name: DraftCosts(step_s={b: measured[name].step_at(b) for b in buckets}) for name in names if name in measured
     }
+
+
+def _acceptance_maps(profile: str | None) -> dict[str, AcceptanceMap]:
+    """Each profiled drafter's per-proposal acceptance map (the loop refines it as it serves)."""
+    return {} if profile is None else {m.drafter: m for m in Profile.load(Path(profile)).acceptance_maps}
 
 
 def _seeded_costs(loaded: LoadedModel, profile: str | None) -> StepCosts | None:

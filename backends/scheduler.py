@@ -10,10 +10,14 @@ Every `step`:
    budget, after the running rows' share of it, so a long prompt never stalls the running
    streams for its whole prefill; a prompt whose last chunk went in samples its first token;
 3. one target pass advances every running sequence: a plain row feeds its newest token, a
-   speculative row that token and its drafts. How many tokens each row drafts is chosen here,
-   for the live batch (`plan_step`: the measured pass times at this batch size, each drafter's
-   cost, each row's running α and proposal rate), and rows for which drafting does not pay ride
-   the same pass as plain rows;
+   speculative row that token and its drafts. With k = auto, how much each row drafts and then
+   verifies is chosen here, for the live batch, by one function (`plan_step`: the measured pass
+   times at this batch size, each drafter's cost): before drafting from each row's running α and
+   proposal rate (a drafter that costs nothing, prompt lookup, is always asked); while a model
+   drafts, after every draft step, from the predicted acceptance of what it drew so far; and once
+   drafted, from each drafted position's predicted acceptance (`speculative.acceptance`), so a
+   proposal whose expected gain does not pay for the wider pass is cut short or not verified at
+   all. Rows for which drafting does not pay ride the same pass as plain rows;
 4. tokens go out one at a time through each row's listener as they are produced, and a row that
    finishes (EOS, a stop string, max_tokens) leaves at once and frees its cache blocks.
 
@@ -43,7 +47,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from policies.cost_model import RowOutlook, plan_step
-from policies.profile import CostCurve
+from policies.profile import AcceptanceMap, CostCurve
 
 from .errors import RequestError
 from .generation import GenerationRequest, GenerationResult, SequenceState, TokenListener, listener_for
@@ -51,8 +55,9 @@ from .kv import BLOCK_TOKENS, PagedCache
 from .models import LoadedModel
 from .plain import PlainEngine
 from .sampling import new_generator, sample_tokens, target_probs
+from .speculative.acceptance import AcceptancePredictor, refine_offset
 from .speculative.control import DraftCosts, DraftOutlook, RateEstimate, StepCosts, batch_bucket
-from .speculative.drafters import Drafter, DraftRow, Proposal
+from .speculative.drafters import Drafter, DraftJudge, DraftRow, Proposal
 from .speculative.rejection import accept_greedy, accept_sampled
 from .speculative.stats import SpeculationStats
 
@@ -94,6 +99,7 @@ class Row:
     outlook: DraftOutlook | None  # running α and ρ (speculative rows)
     rng: np.random.Generator  # Thompson draws of α for the planner
     on_failure: FailureListener | None
+    offset: float = 0.0  # this request's correction to its drafter's acceptance map (logit scale)
     seq: int = -1  # the target cache's sequence, once admitted
     computed: int = 0  # prompt tokens already in the cache
     cancelled: bool = False
@@ -111,16 +117,31 @@ class Row:
 
 @dataclass
 class _Drafting:
-    """What each drafter's call took this step, and how many context tokens it caught up on."""
+    """What each drafter's call took this step, how many context tokens it caught up on, how many
+    sequential draft steps it ran (its longest proposal) and for how many rows."""
 
     seconds: dict[str, float] = field(default_factory=dict)
     backlog: dict[str, int] = field(default_factory=dict)
+    steps: dict[str, int] = field(default_factory=dict)
+    rows: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
 class _Verified:
     accepted: list[int]
     emitted: list[list[int]]
+
+
+@dataclass
+class _Proposed:
+    """This step's drafts per row (what will be verified), each drafted position's features and
+    predicted acceptance (empty where the drafter reports none), q and what drafting took."""
+
+    drafts: list[list[int]]
+    features: list[np.ndarray]
+    predicted: list[np.ndarray]
+    q: torch.Tensor | None
+    drafting: _Drafting
 
 
 class Scheduler:
@@ -133,11 +154,13 @@ class Scheduler:
         k_max: int = 8,
         costs: StepCosts | None = None,
         draft_costs: Mapping[str, DraftCosts] | None = None,
+        acceptance_maps: Mapping[str, AcceptanceMap] | None = None,
     ):
         """`drafters`: the drafters rows may speculate with (none: a plain loop); the first is the
         default. `k`: a fixed draft length, or "auto" (planned per step up to `k_max`). `costs`
         (the target's step-time table) may be shared by loops serving the same target;
-        `draft_costs` (per drafter name, e.g. from a profile) start each drafter's measured cost."""
+        `draft_costs` (per drafter name, e.g. from a profile) start each drafter's measured cost;
+        `acceptance_maps` (per drafter name, e.g. from a profile) its per-proposal predictor."""
         if k != "auto" and not (type(k) is int and 0 <= k <= K_LIMIT):
             raise RequestError(f"k must be an integer from 0 to {K_LIMIT} or 'auto' (got {k!r})")
         if k == "auto" and not 1 <= k_max <= K_LIMIT:
@@ -162,6 +185,10 @@ class Scheduler:
         self.outlooks = {
             name: DraftOutlook(RateEstimate(decay=0.99), RateEstimate(prior_mean=0.9, decay=0.99))
             for name in self.drafters
+        }
+        maps = acceptance_maps or {}
+        self.predictors = {
+            name: AcceptancePredictor(name, d.acceptance_features, maps.get(name)) for name, d in self.drafters.items()
         }
         self.waiting: deque[Row] = deque()
         self.running: list[Row] = []
@@ -315,11 +342,21 @@ class Scheduler:
     def _decode(self, rows: list[Row]) -> None:
         """One target pass for every running row, with drafts where they pay."""
         ks = self._plan(rows)
-        drafts, q, drafting = self._propose(rows, ks)
+        proposed = self._propose(rows, ks)
         live = [b for b, r in enumerate(rows) if not r.done]  # a drafter failure ended some rows
-        rows, ks, drafts = [rows[b] for b in live], [ks[b] for b in live], [drafts[b] for b in live]
+        rows, ks = [rows[b] for b in live], [ks[b] for b in live]
+        drafts, q, drafting = [proposed.drafts[b] for b in live], proposed.q, proposed.drafting
+        features, predicted = [proposed.features[b] for b in live], [proposed.predicted[b] for b in live]
         if not rows:
             return
+        asked, drawn = list(ks), [len(d) for d in drafts]  # before the verify choice
+        first = [float(p[0]) if len(p) else None for p in predicted]
+        if self.k == "auto":
+            for b, (row, d) in enumerate(zip(rows, drafts, strict=True)):
+                if d and row.drafter is not None and not row.drafter.free:
+                    ks[b] = len(d)  # where the judge stopped it is this step's choice, not a shortfall
+            if any(len(p) for p in predicted):
+                self._choose_verified(rows, ks, drafts, predicted, sum(drafting.seconds.values()))
         if q is not None and len(live) < len(q):  # (B, K, V) is large: copy it only when rows left
             q = q[live]
         drafted_at = time.perf_counter()
@@ -338,10 +375,13 @@ class Scheduler:
             return
         for row, start, n in zip(rows, before, verified.accepted, strict=True):
             self.cache.truncate(row.seq, start + 1 + n)
-        self._observe(rows, ks, drafts, verified.accepted)
+        self._observe(rows, ks, drafts, verified.accepted, asked)
+        self._observe_declined(rows, ks, drawn, first)
+        self._learn(rows, drafts, features, predicted, verified.accepted)
         self._report_features(rows, [n + 1 for n in verified.accepted])
         verify_s = time.perf_counter() - drafted_at
-        self._record(rows, ks, drafts, verified.accepted, drafting, verify_s, forward_s, width)
+        declined = [n - len(d) for n, d in zip(drawn, drafts, strict=True)]
+        self._record(rows, ks, asked, declined, drafts, verified.accepted, drafting, verify_s, forward_s, width)
         for row, tokens in zip(rows, verified.emitted, strict=True):
             self._emit(row, tokens)
 
@@ -363,11 +403,69 @@ class Scheduler:
             catch_up[name] = costs.catch_up_s(_backlog(drafter, eligible))
         outlooks = [
             RowOutlook(r.drafter.name, r.outlook.alpha.sample(r.rng), r.outlook.proposal.mean, cap)
-            if r.drafter is not None and r.outlook is not None
+            if r.drafter is not None and r.outlook is not None and not r.drafter.free
             else RowOutlook(None, 0.0, 0.0, 0)
             for r, cap in zip(rows, caps, strict=True)
         ]
-        return plan_step(outlooks, pass_s, draft_s, self.k_max, catch_up)
+        planned = plan_step(outlooks, pass_s, draft_s, self.k_max, catch_up)
+        # Asking a free drafter costs nothing: its proposal is judged once it exists.
+        return [
+            cap if r.drafter is not None and r.drafter.free else k
+            for r, k, cap in zip(rows, planned, caps, strict=True)
+        ]
+
+    def _pass_seconds(self, batch: int) -> list[float]:
+        assert self.costs is not None
+        return [self.costs.seconds(batch, w) for w in range(1, self.costs.max_width + 1)]
+
+    def _choose_verified(
+        self, rows: list[Row], ks: list[int], drafts: list[list[int]], predicted: list[np.ndarray], spent_s: float
+    ) -> None:
+        """How much of each proposal to verify, from its positions' predicted acceptance: drafts
+        are cut in place, and a row whose proposal is cut to nothing asked for nothing this step."""
+        outlooks = [
+            RowOutlook(r.drafter.name, 0.0, 1.0, len(d), tuple(p.tolist()))
+            if r.drafter is not None and len(d) and len(p)
+            else RowOutlook(None, 0.0, 0.0, 0)
+            for r, d, p in zip(rows, drafts, predicted, strict=True)
+        ]
+        if not any(o.drafter for o in outlooks):
+            return
+        drawn = {
+            o.drafter: max(len(d) for o2, d in zip(outlooks, drafts, strict=True) if o2.drafter == o.drafter)
+            for o in outlooks
+            if o.drafter
+        }
+        chosen = plan_step(
+            outlooks, self._pass_seconds(len(rows)), {}, self.k_max, drafted=drawn, spent_seconds=spent_s
+        )
+        for b, (outlook, j) in enumerate(zip(outlooks, chosen, strict=True)):
+            if outlook.drafter is not None and j < len(drafts[b]):
+                del drafts[b][j:]
+                predicted[b] = predicted[b][:j]
+                ks[b] = j
+
+    def _judge(self, rows: list[Row], group: list[int], caps: list[int], started: float) -> DraftJudge:
+        """While a drafter drafts for `group` (indices into rows): after each draft step, draw on
+        only while the step's plan, with what was drawn so far predicted, wants more drawn."""
+        drafter = rows[group[0]].drafter
+        assert drafter is not None
+        name, predictor = drafter.name, self.predictors[drafter.name]
+        step_s = self.drafter_costs[name].step_s.get(batch_bucket(len(group)), 0.0)
+        pass_s = self._pass_seconds(len(rows))
+        members = dict.fromkeys(group)
+
+        def judge(steps: int, features: list[np.ndarray]) -> list[bool]:
+            outlooks = [RowOutlook(None, 0.0, 0.0, 0) for _ in rows]
+            for b, f, cap in zip(group, features, caps, strict=True):
+                a = predictor.predict(f, rows[b].offset)
+                # Positions not drawn yet are expected to do as well as the last one drawn.
+                outlooks[b] = RowOutlook(name, float(a[-1]) if len(a) else 0.0, 1.0, cap, tuple(a.tolist()))
+            spent = time.perf_counter() - started
+            plan = plan_step(outlooks, pass_s, {name: step_s}, self.k_max, drafted={name: steps}, spent_seconds=spent)
+            return [plan[b] > steps for b in members]
+
+        return judge
 
     def _k_cap(self, row: Row, batch: int) -> int:
         if row.drafter is None:
@@ -380,10 +478,12 @@ class Scheduler:
         # A step emits up to k + 1 tokens: never draft past max_tokens or the context.
         return max(0, min(k, left - 1, room - 1, fits - 1))
 
-    def _propose(self, rows: list[Row], ks: list[int]) -> tuple[list[list[int]], torch.Tensor | None, _Drafting]:
-        """Each drafter drafts for its rows that asked; drafts per row, q over the batch (None when
-        every draft is deterministic or no sampling row drafted) and what drafting took."""
+    def _propose(self, rows: list[Row], ks: list[int]) -> _Proposed:
+        """Each drafter drafts for its rows that asked; drafts per row with their features and
+        predicted acceptance, q over the batch (None when every draft is deterministic or no
+        sampling row drafted) and what drafting took."""
         drafts: list[list[int]] = [[] for _ in rows]
+        features, predicted = [np.zeros((0, 0)) for _ in rows], [np.zeros(0) for _ in rows]
         proposals: dict[str, tuple[list[int], Proposal]] = {}
         drafting = _Drafting()
         for name, drafter in self.drafters.items():
@@ -392,16 +492,24 @@ class Scheduler:
                 continue
             drafting.backlog[name] = _backlog(drafter, [rows[b] for b in group])
             started = time.perf_counter()
+            group_ks = [ks[b] for b in group]
+            judge = self._judge(rows, group, group_ks, started) if self.k == "auto" and not drafter.free else None
             try:
-                proposal = drafter.propose([rows[b].draft for b in group], [ks[b] for b in group])
+                proposal = drafter.propose([rows[b].draft for b in group], group_ks, judge)
+                if proposal.features is not None:
+                    for b, f in zip(group, proposal.features, strict=True):
+                        features[b] = f[: ks[b]]
+                        predicted[b] = self.predictors[name].predict(features[b], rows[b].offset)
             except Exception as exc:  # a drafter failure ends its rows only
                 self._fail_all([rows[b] for b in group], exc)
                 continue
             drafting.seconds[name] = time.perf_counter() - started
+            drafting.steps[name] = max((len(t) for t in proposal.tokens), default=0)
+            drafting.rows[name] = len(group)
             proposals[name] = (group, proposal)
             for b, tokens in zip(group, proposal.tokens, strict=True):
                 drafts[b] = list(tokens[: ks[b]])
-        return drafts, self._draft_probs(rows, drafts, proposals), drafting
+        return _Proposed(drafts, features, predicted, self._draft_probs(rows, drafts, proposals), drafting)
 
     def _draft_probs(
         self, rows: list[Row], drafts: list[list[int]], proposals: dict[str, tuple[list[int], Proposal]]
@@ -454,16 +562,45 @@ class Scheduler:
         emitted = [d[:n] + [int(t)] for d, n, t in zip(drafts, counts, next_tokens.tolist(), strict=True)]
         return _Verified(counts, emitted)
 
-    def _observe(self, rows: list[Row], ks: list[int], drafts: list[list[int]], accepted: list[int]) -> None:
-        """Drafters roll back past their rejected drafts; α and ρ estimates learn the outcome."""
+    def _observe(
+        self, rows: list[Row], ks: list[int], drafts: list[list[int]], accepted: list[int], asked: list[int]
+    ) -> None:
+        """Drafters roll back past their rejected (or unverified) drafts; α and ρ estimates learn
+        the outcome of what was verified."""
         for drafter in self.drafters.values():
-            group = [b for b, r in enumerate(rows) if r.drafter is drafter and ks[b] > 0]
+            group = [b for b, r in enumerate(rows) if r.drafter is drafter and asked[b] > 0]
             if group:
                 self._guarded(drafter.observe, [rows[b] for b in group], [accepted[b] for b in group])
         for row, k, d, n in zip(rows, ks, drafts, accepted, strict=True):
             if row.outlook is not None and row.drafter is not None and not row.done:
                 row.outlook.observe(k, len(d), n)
                 self.outlooks[row.drafter.name].observe(k, len(d), n)
+
+    def _observe_declined(self, rows: list[Row], ks: list[int], drawn: list[int], first: list[float | None]) -> None:
+        """Rows whose proposal was drafted and then not verified at all: their α and ρ estimates
+        learn the first position's predicted acceptance instead of an outcome."""
+        for row, k, n, p in zip(rows, ks, drawn, first, strict=True):
+            if k == 0 and n and p is not None and row.outlook is not None and row.drafter is not None:
+                row.outlook.observe_declined(p)
+                self.outlooks[row.drafter.name].observe_declined(p)
+
+    def _learn(
+        self,
+        rows: list[Row],
+        drafts: list[list[int]],
+        features: list[np.ndarray],
+        predicted: list[np.ndarray],
+        accepted: list[int],
+    ) -> None:
+        """Each verified proposal's judged positions — the accepted ones and the first rejected
+        one — teach its drafter's map and correct the request's own offset."""
+        for row, d, f, p, n in zip(rows, drafts, features, predicted, accepted, strict=True):
+            if row.drafter is None or not len(d) or len(p) < len(d):
+                continue
+            judged = min(n + 1, len(d))
+            labels = [1.0] * min(n, len(d)) + [0.0] * (judged - min(n, len(d)))
+            row.offset = refine_offset(row.offset, p[:judged], labels)
+            self.predictors[row.drafter.name].learn(f[:judged], labels, row.key, p[:judged].tolist())
 
     def _report_features(self, rows: list[Row], counts: list[int]) -> None:
         """Feature drafters get the target's hidden states of each row's newly verified tokens."""
@@ -488,6 +625,8 @@ class Scheduler:
         self,
         rows: list[Row],
         ks: list[int],
+        asked: list[int],
+        declined: list[int],
         drafts: list[list[int]],
         accepted: list[int],
         drafting: _Drafting,
@@ -495,7 +634,9 @@ class Scheduler:
         forward_s: float,
         width: int,
     ) -> None:
-        """Statistics per row and per drafter, and the measured costs the planner reads."""
+        """Statistics per row and per drafter, and the measured costs the planner reads. `ks` is
+        what each row's verified draft stands for (its k for α and ρ), `asked` what it drafted for,
+        `declined` how many drafted tokens the verify choice cut."""
         batch = len(rows)
         if self.costs is None:
             return
@@ -505,21 +646,23 @@ class Scheduler:
             group = [b for b, r in enumerate(rows) if r.drafter is drafter]
             if not group:
                 continue
-            asked, draft_s = [ks[b] for b in group], drafting.seconds.get(name, 0.0)
+            draft_s = drafting.seconds.get(name, 0.0)
             if name in drafting.seconds:
-                rows_drafting = sum(1 for k in asked if k)
-                self.drafter_costs[name].record(rows_drafting, max(asked), draft_s, drafting.backlog[name])
+                costs = self.drafter_costs[name]
+                costs.record(drafting.rows[name], drafting.steps[name], draft_s, drafting.backlog[name])
             drafted, ok = [len(drafts[b]) for b in group], [accepted[b] for b in group]
             totals = self.drafter_totals[name]
             totals.target_step_s = step_s
-            totals.record(max(asked), drafted, ok, draft_s, verify_s, asked)
-        for row, k, d, n in zip(rows, ks, drafts, accepted, strict=True):
+            cut = sum(declined[b] for b in group)
+            totals.record(max(drafted), drafted, ok, draft_s, verify_s, [ks[b] for b in group], cut)
+        for row, k, first, cut, d, n in zip(rows, ks, asked, declined, drafts, accepted, strict=True):
             stats = row.stats
             if stats is None or row.drafter is None:
                 continue
             stats.target_step_s = step_s
-            # A row pays drafting time only on steps it drafted in.
-            stats.record(k, [len(d)], [n], drafting.seconds.get(row.drafter.name, 0.0) if d else 0.0, verify_s)
+            # A row pays drafting time on the steps it drafted in, verified or not.
+            draft_s = drafting.seconds.get(row.drafter.name, 0.0) if first else 0.0
+            stats.record(len(d), [len(d)], [n], draft_s, verify_s, requested=[k], declined=cut)
 
     # -- rows leaving -----------------------------------------------------------------------
     def _emit(self, row: Row, tokens: list[int]) -> None:

@@ -69,9 +69,30 @@ class RowOutlook:
     """One running sequence as the step planner sees it."""
 
     drafter: str | None  # None: the sequence never drafts
-    alpha: float  # per-token acceptance estimate
+    alpha: float  # per-token acceptance estimate (used where `acceptance` does not reach)
     proposal_rate: float  # share of the steps that ask in which the drafter proposes anything
     k_cap: int  # the most tokens it may draft now (tokens left, context, the drafter's limit)
+    # Predicted acceptance of each drafted position given every earlier one was accepted: set once
+    # a proposal exists (then it is certain to exist: ρ = 1), empty before drafting.
+    acceptance: tuple[float, ...] = ()
+
+    def gain(self, k: int) -> float:
+        """Extra tokens expected from drafting k (beyond the step's own one): Σ_{i≤k} Π_{m≤i} a_m
+        over the predicted positions, α for each position past them, times ρ without a proposal."""
+        k = min(k, self.k_cap)
+        if not self.acceptance:
+            return tokens_per_step(self.alpha, k, self.proposal_rate) - 1.0
+        total, survive = 0.0, 1.0
+        for i in range(k):
+            a = self.acceptance[i] if i < len(self.acceptance) else self.alpha
+            survive *= min(max(a, 0.0), 1.0)
+            total += survive
+        return total
+
+    @property
+    def silent(self) -> float:
+        """The chance that it proposes nothing at all."""
+        return 0.0 if self.acceptance else 1.0 - min(max(self.proposal_rate, 0.0), 1.0)
 
 
 def plan_step(
@@ -80,9 +101,11 @@ def plan_step(
     draft_seconds: Mapping[str, float],
     k_max: int,
     catch_up_seconds: Mapping[str, float] | None = None,
+    drafted: Mapping[str, int] | None = None,
+    spent_seconds: float = 0.0,
 ) -> list[int]:
-    """How many tokens each sequence of a batch drafts this step: the choice that maximises the
-    whole step's expected tokens per second.
+    """How many tokens each sequence of a batch drafts — or, once drafted, verifies — this step:
+    the choice that maximises the whole step's expected tokens per second.
 
     One target pass serves the batch, so its width is shared: `pass_seconds[w - 1]` is a pass of
     w tokens per sequence at this batch (padded to the cheapest width ≥ w). A drafter drafts its
@@ -91,8 +114,14 @@ def plan_step(
     joined, or skipped drafting). So each drafter gets one k
     (its sequences draft min(k, their cap); a drafter at k = 0 leaves its sequences as plain
     rows of the same pass), every combination is scored, and ties go to less drafting. A step
-    emits Σ 1 + ρ·(E(α, k) − 1) tokens and costs the drafting plus a wide pass when some sequence
-    proposed (probability 1 − Π(1 − ρ)), else a narrow one."""
+    emits Σ 1 + gain(k) tokens and costs the drafting plus a wide pass when some sequence
+    proposed (probability 1 − Π(1 − ρ)), else a narrow one.
+
+    The same choice serves every moment of a step: before drafting (α and ρ only); while drafting
+    (`drafted[d]` steps already drawn cost nothing more, the rows carry their predicted
+    acceptance so far); and after it, choosing how much of each proposal to verify (every step
+    drawn, caps at the proposals' lengths). `spent_seconds`, drafting this step already took,
+    counts in every option's time, k = 0 included."""
     t = effective_seconds(pass_seconds)
     k_top = min(k_max, len(t) - 1)
     groups: dict[str, list[int]] = {}
@@ -101,15 +130,17 @@ def plan_step(
             groups.setdefault(row.drafter, []).append(i)
     names = list(groups)
     tables = [_group_table([rows[i] for i in groups[d]], k_top) for d in names]
-    best, best_rate = (0,) * len(names), len(rows) / t[0]
+    done = drafted or {}
+    best, best_rate = (0,) * len(names), len(rows) / (spent_seconds + t[0])
     for ks in itertools.product(*(range(len(gain)) for gain, _, _ in tables)):
-        tokens, none_propose, width, drafting = float(len(rows)), 1.0, 1, 0.0
+        tokens, none_propose, width, drafting = float(len(rows)), 1.0, 1, spent_seconds
         for d, k, (gain, silent, cap) in zip(names, ks, tables, strict=True):
             if k:
                 tokens += gain[k]
                 none_propose *= silent
                 width = max(width, 1 + min(k, cap))
-                drafting += k * draft_seconds.get(d, 0.0) + (catch_up_seconds or {}).get(d, 0.0)
+                more = max(k - done.get(d, 0), 0)
+                drafting += more * draft_seconds.get(d, 0.0) + ((catch_up_seconds or {}).get(d, 0.0) if more else 0.0)
         seconds = drafting + (1 - none_propose) * t[width - 1] + none_propose * t[0]
         if tokens / seconds > best_rate * (1 + 1e-9):
             best, best_rate = ks, tokens / seconds
@@ -121,8 +152,8 @@ def _group_table(rows: Sequence[RowOutlook], k_top: int) -> tuple[list[float], f
     """For a drafter's sequences: the extra tokens they are expected to add at each k in
     0..(their largest cap), the chance that none of them proposes anything, and that cap."""
     cap = min(max(r.k_cap for r in rows), k_top)
-    gain = [sum(tokens_per_step(r.alpha, min(k, r.k_cap), r.proposal_rate) - 1 for r in rows) for k in range(cap + 1)]
-    silent = float(np.prod([1 - min(max(r.proposal_rate, 0.0), 1.0) for r in rows]))
+    gain = [sum(r.gain(k) for r in rows) for k in range(cap + 1)]
+    silent = float(np.prod([r.silent for r in rows]))
     return gain, silent, cap
 
 

@@ -177,6 +177,42 @@ class PredictorScore(_Frozen):
     mae_constant: float = Field(description="baseline: predict the training folds' mean α")
 
 
+class ReliabilityBin(_Frozen):
+    """Drafted positions whose predicted acceptance fell in [low, high): how many, their mean
+    prediction and how many were accepted (a calibrated map has mean_predicted ≈ accepted share)."""
+
+    low: float = Field(ge=0, le=1)
+    high: float = Field(ge=0, le=1)
+    count: int = Field(ge=0)
+    mean_predicted: float = Field(ge=0, le=1)
+    accepted_share: float = Field(ge=0, le=1)
+
+
+class AcceptanceMap(_Frozen):
+    """A drafter's per-proposal acceptance predictor: P(drafted position accepted | every earlier
+    one was) = σ(coef · features + intercept), the features being what the drafter reports with
+    each proposal (`backends.speculative.acceptance` names them). Fitted on the judged positions
+    of acceptance runs; scored out of fold (prompts held out)."""
+
+    drafter: str
+    features: list[str] = Field(min_length=1)
+    coef: list[float]
+    intercept: float
+    samples: int = Field(ge=0, description="judged drafted positions it was fitted on")
+    prompts: int = Field(0, ge=0, description="prompts those came from")
+    brier: float | None = Field(None, ge=0, description="out-of-fold Brier score of the map")
+    brier_constant: float | None = Field(
+        None, ge=0, description="out-of-fold Brier score of a constant (the folds' acceptance rate)"
+    )
+    reliability: list[ReliabilityBin] = Field(default_factory=list, description="out-of-fold reliability curve")
+
+    @model_validator(mode="after")
+    def _one_weight_per_feature(self) -> AcceptanceMap:
+        if len(self.coef) != len(self.features):
+            raise ValueError(f"{len(self.coef)} coefficients for {len(self.features)} features")
+        return self
+
+
 class QuantizedProfile(_Frozen):
     """A quantized backend: its method, cost curve, resident weights and measured quality against
     the full-precision target."""
@@ -276,6 +312,9 @@ class Profile(_Frozen):
     acceptance: list[AcceptanceProfile] = Field(default_factory=list)
     samples: list[AcceptanceSample] = Field(default_factory=list)
     predictor: list[PredictorScore] = Field(default_factory=list)
+    acceptance_maps: list[AcceptanceMap] = Field(
+        default_factory=list, description="per drafter: the per-proposal acceptance predictor, with its calibration"
+    )
     quantized: QuantizedProfile | None = Field(None, description="the quantized backend's method, as served")
     quantized_others: list[QuantizedProfile] = Field(
         default_factory=list, description="other quantization methods measured for comparison (not served)"

@@ -1,9 +1,14 @@
 """`specroute bench spec`: speculative decoding against plain decoding, per prompt category, at
-batch 1, in one run — every drafter at a fixed k and at auto k — plus transformers' own assisted
+batch 1, in one run — every drafter at each fixed k and at auto k — plus transformers' own assisted
 generation (prompt lookup, and the draft model as `assistant_model`) on the same prompts as the
 outside reference. Each prompt runs every configuration back to back (rotating which goes
 first), so machine noise hits all of them alike; greedy decoding, so every configuration must
-produce the very same tokens, which the report checks."""
+produce the very same tokens, which the report checks.
+
+It benches the held-out prompt set by default, and tunes on the project's own: before the timed
+runs each drafter's acceptance map is fitted on the project set (a fixed-k run, as the profiler
+does), and auto k starts from it on prompts it never saw; the report scores the map's
+predictions on both sets (Brier, reliability)."""
 
 from __future__ import annotations
 
@@ -13,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 from tqdm import tqdm
 from transformers import GenerationConfig
 
@@ -21,15 +26,16 @@ from backends.generation import GenerationRequest, GenerationResult
 from backends.models import LoadedModel
 from backends.plain import PlainEngine
 from backends.speculative.control import StepCosts
-from backends.speculative.drafters import ModelDrafter
+from backends.speculative.drafters import Drafter, ModelDrafter
 from backends.speculative.engine import SpeculativeEngine, step_costs
 from backends.speculative.factory import build_drafter
 from backends.speculative.stats import SpeculationStats
 from policies.drafters import BENCHED_KINDS, DrafterConfig, DrafterKind, spec
+from policies.profile import AcceptanceMap, ReliabilityBin
 
 from .hardware import MachineInfo, machine_info
 from .settings import BenchTarget, load_target
-from .workloads import load_prompt_set
+from .workloads import PromptSetName, load_prompt_set
 
 PLAIN = "plain"
 
@@ -38,12 +44,46 @@ class BenchSpecConfig(BenchTarget):
     max_tokens: int = Field(96, ge=2, le=2048, description="upper bound per request; EOS ends a request earlier")
     categories: list[str] | None = Field(None, description="default: every category of the prompt set")
     prompts_per_category: int = Field(3, ge=1)
+    prompt_set: PromptSetName = Field(
+        "heldout", description="the prompts timed: 'heldout' (never tuned on) or 'project'"
+    )
     drafters: list[DrafterKind] = Field(default_factory=lambda: list(BENCHED_KINDS), min_length=1)
-    fixed_k: int = Field(4, ge=1, le=32)
+    fixed_k: list[int] = Field(
+        default_factory=lambda: [4], min_length=1, description="each fixed k every drafter runs at"
+    )
     k_max: int = Field(8, ge=1, le=32)
+    calibrate: bool = Field(True, description="fit each drafter's acceptance map on the project set first")
+    calibration_prompts: int = Field(4, ge=1, le=50, description="project prompts per category the maps are fitted on")
+    calibration_tokens: int = Field(64, ge=2, le=2048)
     drafter: DrafterConfig = Field(default_factory=DrafterConfig, description="drafter options (kind is ignored)")
     transformers: bool = Field(True, description="also time transformers' assisted generation")
     hf_prompt_lookup_tokens: int = Field(10, ge=1, description="transformers' prompt_lookup_num_tokens")
+
+    @field_validator("fixed_k", mode="before")
+    @classmethod
+    def _one_or_many(cls, value: object) -> object:
+        return [value] if isinstance(value, int) else value  # reports written before fixed k became a list
+
+    @field_validator("fixed_k")
+    @classmethod
+    def _ks(cls, value: list[int]) -> list[int]:
+        if any(not 1 <= k <= 32 for k in value) or len(set(value)) != len(value):
+            raise ValueError(f"fixed k values must be distinct integers from 1 to 32 (got {value})")
+        return value
+
+
+class CalibrationScore(BaseModel):
+    """How well one drafter's acceptance predictions matched what was accepted, on one prompt set."""
+
+    drafter: str
+    prompt_set: str
+    how: str = Field(
+        description="'out of fold' (the map, prompts held out) or 'live' (the auto-k runs' own predictions)"
+    )
+    positions: int
+    brier: float
+    brier_constant: float = Field(description="a constant at the accepted share (out of fold: the folds' share)")
+    reliability: list[ReliabilityBin]
 
 
 class RunStats(BaseModel):
@@ -79,6 +119,10 @@ class BenchSpecReport(BaseModel):
     categories: list[CategoryResult]
     geomean_speedup: dict[str, float] = Field(description="per configuration, over categories")
     geomean_versus_transformers: dict[str, float]
+    calibration: list[CalibrationScore] = Field(default_factory=list)
+    auto_versus_best_fixed: dict[str, dict[str, float]] = Field(
+        default_factory=dict, description="per drafter and category: auto k's tokens/s over the best fixed k's"
+    )
 
 
 @dataclass
@@ -94,8 +138,8 @@ Runner = Callable[[GenerationRequest], GenerationResult | list[int]]
 
 def run_bench_spec(config: BenchSpecConfig) -> BenchSpecReport:
     loaded = load_target(config)
-    runners, pairs, costs = _runners(config, loaded)
-    prompt_set = load_prompt_set()
+    runners, pairs, costs, engines, maps = _runners(config, loaded)
+    prompt_set = load_prompt_set(config.prompt_set)
     categories = config.categories or list(prompt_set.categories)
     unknown = sorted(set(categories) - set(prompt_set.categories))
     if unknown:
@@ -109,21 +153,31 @@ def run_bench_spec(config: BenchSpecConfig) -> BenchSpecReport:
             requests = [GenerationRequest(messages=p.messages, max_tokens=config.max_tokens) for p in prompts]
             results.append(_category(category, requests, runners, pairs, bar))
     measured = {str(w): s * 1e3 for (b, w), s in sorted(costs.target_s.items()) if b == 1}
-    return _report(config, loaded, results, measured)
+    scores = [*maps, *(_live_score(kind, engine, config.prompt_set) for kind, engine in engines.items())]
+    return _report(config, loaded, results, measured, [s for s in scores if s is not None])
 
 
-def _runners(config: BenchSpecConfig, loaded: LoadedModel) -> tuple[dict[str, Runner], dict[str, str], StepCosts]:
-    """name -> a function running one request; which of ours faces which transformers run; and
-    the step-cost table every speculative engine shares (probed once)."""
+def _runners(
+    config: BenchSpecConfig, loaded: LoadedModel
+) -> tuple[dict[str, Runner], dict[str, str], StepCosts, dict[str, SpeculativeEngine], list[CalibrationScore]]:
+    """name -> a function running one request; which of ours faces which transformers run; the
+    step-cost table every speculative engine shares (probed once); each drafter's auto-k engine;
+    and how its acceptance map, fitted on the project set, scored there."""
     plain = PlainEngine(loaded)
-    costs = step_costs(loaded, max_width=max(config.k_max, config.fixed_k) + 1)
+    costs = step_costs(loaded, max_width=max(config.k_max, *config.fixed_k) + 1)
     runners: dict[str, Runner] = {PLAIN: lambda r: plain.generate([r])[0]}
     pairs: dict[str, str] = {}
+    autos: dict[str, SpeculativeEngine] = {}
+    scores: list[CalibrationScore] = []
     for kind in config.drafters:
         drafter = build_drafter(config.drafter.of(kind), loaded)
-        for k in (config.fixed_k, "auto"):  # a fresh drafter per engine, sharing any draft model
-            engine = SpeculativeEngine(loaded, drafter.fresh(), k=k, k_max=config.k_max, costs=costs)
+        fitted = _calibrate(loaded, drafter, costs, config) if config.calibrate else None
+        if fitted is not None and fitted.brier is not None:
+            scores.append(_map_score(kind, fitted))
+        for k in (*config.fixed_k, "auto"):  # a fresh drafter per engine, sharing any draft model
+            engine = SpeculativeEngine(loaded, drafter.fresh(), k=k, k_max=config.k_max, costs=costs, acceptance=fitted)
             runners[f"{kind} k={k}"] = _engine_runner(engine)
+        autos[kind] = engine
         if not config.transformers:
             continue
         baseline = spec(kind).baseline
@@ -137,7 +191,50 @@ def _runners(config: BenchSpecConfig, loaded: LoadedModel) -> tuple[dict[str, Ru
             assert isinstance(draft, ModelDrafter)
             runners["transformers assisted"] = _hf_runner(plain, loaded, assistant_model=draft.model)
             pairs[f"{kind} k=auto"] = "transformers assisted"
-    return runners, pairs, costs
+    return runners, pairs, costs, autos, scores
+
+
+def _calibrate(loaded: LoadedModel, drafter: Drafter, costs: StepCosts, config: BenchSpecConfig) -> AcceptanceMap:
+    """The drafter's acceptance map, fitted the way the profiler fits it: the project set's
+    prompts, each category as one greedy batch at fixed k = k_max, every judged position."""
+    engine = SpeculativeEngine(loaded, drafter.fresh(), k=config.k_max, costs=costs)
+    prompt_set = load_prompt_set("project")
+    categories = config.categories or list(prompt_set.categories)
+    for category in tqdm(categories, desc=f"acceptance map {drafter.name}", unit="category", leave=False):
+        prompts = prompt_set.categories[category].prompts[: config.calibration_prompts]
+        engine.generate([GenerationRequest(messages=p.messages, max_tokens=config.calibration_tokens) for p in prompts])
+    return engine.acceptance_map()
+
+
+def _map_score(kind: str, fitted: AcceptanceMap) -> CalibrationScore:
+    assert fitted.brier is not None and fitted.brier_constant is not None
+    return CalibrationScore(
+        drafter=kind,
+        prompt_set="project",
+        how="out of fold",
+        positions=fitted.samples,
+        brier=fitted.brier,
+        brier_constant=fitted.brier_constant,
+        reliability=fitted.reliability,
+    )
+
+
+def _live_score(kind: str, engine: SpeculativeEngine, prompt_set: str) -> CalibrationScore | None:
+    """The auto-k engine's own predictions over the timed runs (warm-up included) against what was
+    accepted: the map's calibration on the benched prompts."""
+    score = engine.predictors[engine.drafter.name].live_score()
+    if score is None:
+        return None
+    positions, brier, constant, bins = score
+    return CalibrationScore(
+        drafter=kind,
+        prompt_set=prompt_set,
+        how="live",
+        positions=positions,
+        brier=brier,
+        brier_constant=constant,
+        reliability=bins,
+    )
 
 
 def _engine_runner(engine: SpeculativeEngine) -> Runner:
@@ -237,7 +334,11 @@ def _run_stats(name: str, tally: _Tally, plain_rate: float) -> RunStats:
 
 
 def _report(
-    config: BenchSpecConfig, loaded: LoadedModel, results: list[CategoryResult], step_costs_ms: dict[str, float]
+    config: BenchSpecConfig,
+    loaded: LoadedModel,
+    results: list[CategoryResult],
+    step_costs_ms: dict[str, float],
+    calibration: list[CalibrationScore],
 ) -> BenchSpecReport:
     names = [run.name for run in results[0].runs]
     geomean = {name: _geomean([next(r.speedup for r in c.runs if r.name == name) for c in results]) for name in names}
@@ -251,7 +352,17 @@ def _report(
         categories=results,
         geomean_speedup=geomean,
         geomean_versus_transformers=versus,
+        calibration=calibration,
+        auto_versus_best_fixed={kind: _auto_over_fixed(kind, config, results) for kind in config.drafters},
     )
+
+
+def _auto_over_fixed(kind: str, config: BenchSpecConfig, results: list[CategoryResult]) -> dict[str, float]:
+    out = {}
+    for category in results:
+        rates = {run.name: run.tokens_per_s for run in category.runs}
+        out[category.category] = rates[f"{kind} k=auto"] / max(rates[f"{kind} k={k}"] for k in config.fixed_k)
+    return out
 
 
 def _geomean(values: list[float]) -> float:
@@ -263,7 +374,13 @@ def render_report(report: BenchSpecReport) -> str:
     lines = [
         f"specroute bench spec — {m['name']} ({m['dtype']}, {m['device']}) on {report.machine.cpu}, "
         f"{report.machine.torch_threads} torch threads; batch 1, greedy, ≤{c.max_tokens} tokens, "
-        f"{c.prompts_per_category} prompts per category, fixed k = {c.fixed_k}, auto k ≤ {c.k_max}",
+        f"{c.prompts_per_category} prompts per category of the {c.prompt_set} set, fixed k = "
+        f"{', '.join(map(str, c.fixed_k))}, auto k ≤ {c.k_max}"
+        + (
+            f"; acceptance maps fitted on the project set ({c.calibration_prompts} prompts per category)"
+            if c.calibrate
+            else ""
+        ),
     ]
     if report.step_costs_ms:
         costs = "  ".join(f"{w}:{ms:.0f}" for w, ms in report.step_costs_ms.items())
@@ -278,6 +395,20 @@ def render_report(report: BenchSpecReport) -> str:
     lines += ["", "geometric mean over categories — speedup over plain:"]
     lines += [f"  {name:28} {value:6.2f}×" for name, value in report.geomean_speedup.items()]
     lines += [f"  {name}: {value:.2f}×" for name, value in report.geomean_versus_transformers.items()]
+    if report.auto_versus_best_fixed:
+        lines += ["", "auto k over the best fixed k, per category (tokens/s):"]
+        for kind, ratios in report.auto_versus_best_fixed.items():
+            worst = min(ratios, key=ratios.get)
+            parts = "  ".join(f"{c} {r:.2f}" for c, r in ratios.items())
+            lines.append(f"  {kind:20} {parts}  (lowest: {worst} {ratios[worst]:.2f})")
+    if report.calibration:
+        lines += ["", "acceptance predictions (Brier score; lower is better, a constant in brackets):"]
+        lines += [
+            f"  {s.drafter:20} {s.prompt_set:8} {s.how:12} {s.positions:6} positions  "
+            f"{s.brier:.3f} ({s.brier_constant:.3f})  reliability: "
+            + " ".join(f"{b.mean_predicted:.2f}→{b.accepted_share:.2f}" for b in s.reliability)
+            for s in report.calibration
+        ]
     return "\n".join(lines)
 
 

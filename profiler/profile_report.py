@@ -33,6 +33,8 @@ def render_profile(profile: Profile, threshold: float = COMPUTE_BOUND) -> str:
     ]
     if profile.predictor:
         lines += ["", *_predictor(profile)]
+    if profile.acceptance_maps:
+        lines += ["", *_acceptance_maps(profile)]
     if profile.quantized is not None:
         lines += ["", *_quantized(profile)]
     return "\n".join(lines)
@@ -153,4 +155,24 @@ def _predictor(profile: Profile) -> list[str]:
             f"{s.mae_with_category:9.3f} "
             f"{s.mae_text_only:9.3f} {s.mae_constant:9.3f}"
         )
+    return lines
+
+
+def _acceptance_maps(profile: Profile) -> list[str]:
+    """Each drafter's per-proposal acceptance map: what it reads, and its out-of-fold calibration."""
+    lines = [
+        "per-proposal acceptance maps (what auto k verifies by), scored out of fold with prompts held out: "
+        "Brier score (lower is better; a constant at the folds' rate in brackets) and the reliability curve "
+        "(mean predicted → accepted share, per tenth of the range):"
+    ]
+    for m in profile.acceptance_maps:
+        weights = ", ".join(f"{f} {c:+.2f}" for f, c in zip(m.features, m.coef, strict=True))
+        score = "not scored" if m.brier is None else f"Brier {m.brier:.3f} ({m.brier_constant:.3f})"
+        lines.append(f"  {m.drafter}: {m.samples} positions from {m.prompts} prompts, {score}")
+        lines.append(f"    logit = {m.intercept:+.2f} + {weights}")
+        if m.reliability:
+            lines.append(
+                "    reliability: "
+                + "  ".join(f"{b.mean_predicted:.2f}→{b.accepted_share:.2f} (n={b.count})" for b in m.reliability)
+            )
     return lines

@@ -40,7 +40,6 @@ from backends.quantized import (
     resolve_method,
 )
 from backends.scheduler import seeded_step_costs
-from backends.speculative.control import StepCosts
 from backends.speculative.drafters import Drafter, ModelDrafter
 from backends.speculative.engine import K_LIMIT, SpeculativeEngine, measure_step_times
 from backends.speculative.factory import build_drafter
@@ -139,16 +138,19 @@ def run_profile(config: ProfileConfig, progress: bool = True, log: Callable[[str
     target = measure_curve(loaded, config, widths, "target t(b, n)", progress)
     prefill = measure_prefill(loaded, config.prefill_lengths, progress)
     costs = seeded_step_costs(loaded, target)
-    drafters, acceptance, samples, shipped = [], [], [], []
+    drafters, acceptance, samples, shipped, maps = [], [], [], [], []
     for kind in config.drafters:
         drafter = build_drafter(config.drafter.of(kind), loaded)
+        engine = SpeculativeEngine(loaded, drafter, k=config.acceptance_k, costs=costs)
         if seed is not None and seed_fits(seed, config, kind, drafter.name):
-            measured, prompt_samples, in_run = timed_seed(loaded, drafter, costs, config, seed, progress)
+            measured, prompt_samples, in_run = timed_seed(engine, config, seed, progress)
             shipped.append(drafter.name)
         else:
-            measured, prompt_samples, in_run = measure_acceptance(loaded, drafter, costs, config, progress)
+            measured, prompt_samples, in_run = measure_acceptance(engine, config, progress)
         acceptance += measured
         samples += prompt_samples
+        # The judged positions of those runs (fixed k: every position up to the first rejection).
+        maps.append(engine.acceptance_map())
         drafters.append(drafter_profile(loaded, drafter, kind, config, in_run, progress))
     methods = list(dict.fromkeys(resolve_method(loaded, choice) for choice in config.quantization))
     qualities = [_shipped_quality(seed, config, method) for method in methods]
@@ -168,6 +170,7 @@ def run_profile(config: ProfileConfig, progress: bool = True, log: Callable[[str
         acceptance=acceptance,
         samples=samples,
         predictor=[s for t in ("alpha", "proposal_rate") for s in cross_validate(samples, config.folds, target=t)],
+        acceptance_maps=maps,
         quantized=quantized[0] if quantized else None,
         quantized_others=quantized[1:],
         acceptance_source=_source(seed, shipped, [q.method for q in qualities if q is not None]),
@@ -247,17 +250,13 @@ def seed_fits(seed: AcceptanceSeed, config: ProfileConfig, kind: str, name: str)
 
 
 def timed_seed(
-    loaded: LoadedModel,
-    drafter: Drafter,
-    costs: StepCosts,
-    config: ProfileConfig,
-    seed: AcceptanceSeed,
-    progress: bool,
+    engine: SpeculativeEngine, config: ProfileConfig, seed: AcceptanceSeed, progress: bool
 ) -> tuple[list[AcceptanceProfile], list[AcceptanceSample], dict[int, float]]:
-    """The shipped acceptance of one drafter, with what drafting costs on this machine measured in
-    a short run (a few prompts per category, one batch): its in-run step cost by batch bucket and
-    γ, which replaces the shipped runs' γ (that one was timed elsewhere)."""
-    engine = SpeculativeEngine(loaded, drafter, k=config.acceptance_k, costs=costs)
+    """The shipped acceptance of the engine's drafter, with what drafting costs on this machine
+    measured in a short run (a few prompts per category, one batch) at the profile's fixed k: its
+    in-run step cost by batch bucket and γ, which replaces the shipped runs' γ (that one was timed
+    elsewhere)."""
+    drafter = engine.drafter
     prompt_set = load_prompt_set()
     prompts = [
         p
@@ -394,13 +393,13 @@ def measure_prefill(loaded: LoadedModel, lengths: Sequence[int], progress: bool)
 
 
 def measure_acceptance(
-    loaded: LoadedModel, drafter: Drafter, costs: StepCosts, config: ProfileConfig, progress: bool
+    engine: SpeculativeEngine, config: ProfileConfig, progress: bool
 ) -> tuple[list[AcceptanceProfile], list[AcceptanceSample], dict[int, float]]:
-    """Each category's prompts as one greedy batch at the fixed k (greedy tokens do not depend on the
-    batch); per category and per prompt acceptance, and what one draft step (a token for every row)
-    cost in those runs by batch bucket, in steady state (the engine leaves out the drafter's
-    start-up and catch-up after plain steps)."""
-    engine = SpeculativeEngine(loaded, drafter, k=config.acceptance_k, costs=costs)
+    """Each category's prompts as one greedy batch at the engine's fixed k (greedy tokens do not
+    depend on the batch); per category and per prompt acceptance, and what one draft step (a token
+    for every row) cost in those runs by batch bucket, in steady state (the engine leaves out the
+    drafter's start-up and catch-up after plain steps)."""
+    drafter = engine.drafter
     prompt_set = load_prompt_set()
     categories = config.categories or list(prompt_set.categories)
     measured, samples = [], []

@@ -278,9 +278,20 @@ def _add_bench_spec_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=96, help="upper bound per request (EOS ends earlier)")
     parser.add_argument("--categories", help="comma-separated categories (default: all)")
     parser.add_argument("--prompts", type=int, default=3, help="prompts per category")
+    parser.add_argument(
+        "--prompt-set",
+        choices=["heldout", "project"],
+        default="heldout",
+        help="prompts timed: the held-out set (never tuned on; default) or the project's own",
+    )
     _add_drafters_flag(parser, BENCHED_KINDS, "drafters to bench")
-    parser.add_argument("--fixed-k", type=int, default=4, help="the fixed k each drafter also runs at")
+    parser.add_argument("--fixed-k", default="4", help="comma-separated fixed k values each drafter also runs at")
     parser.add_argument("--k-max", type=int, default=8, help="largest k that auto may choose")
+    parser.add_argument(
+        "--no-calibrate",
+        action="store_true",
+        help="start auto k with no acceptance map (default: fit each drafter's on the project set first)",
+    )
     _add_drafter_args(parser)
     parser.add_argument("--no-transformers", action="store_true", help="skip transformers' assisted generation")
     parser.add_argument("--out", default="bench-spec.json", help="where the JSON results go ('-' for none)")
@@ -498,9 +509,11 @@ def run_bench_spec(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens,
         categories=_str_list(args.categories) if args.categories else None,
         prompts_per_category=args.prompts,
+        prompt_set=args.prompt_set,
         drafters=_str_list(args.drafters),
-        fixed_k=args.fixed_k,
+        fixed_k=_int_list(args.fixed_k, "--fixed-k"),
         k_max=args.k_max,
+        calibrate=not args.no_calibrate,
         drafter=_drafter_options(args),
         transformers=not args.no_transformers,
     )

@@ -150,6 +150,13 @@ class DraftOutlook:
         if drafted:
             self.alpha.add(accepted, accepted + (1 if accepted < asked else 0))
 
+    def observe_declined(self, predicted: float) -> None:
+        """A proposal was drafted but not verified at all (its predicted gain did not pay): what it
+        was expected to do stands in for the outcome, so drafting that keeps being declined stops
+        being planned."""
+        self.proposal.add(1.0, 1.0)
+        self.alpha.add(predicted, 1.0)
+
     def seeded(self, weight: float) -> DraftOutlook:
         """A new sequence's outlook, starting from this one's estimates with `weight` samples."""
         return DraftOutlook(

@@ -2,8 +2,11 @@
 
 The step loop calls `propose`, `observe`, `observe_target` (for drafters with `feature_layers`),
 `backlog`, `release` and `fresh`; it never looks inside.
-A proposal carries the tokens and, for drafters that sample, the distribution q each token was
-drawn from (None means deterministic: q is one-hot at the token).
+A proposal carries the tokens, for drafters that sample the distribution q each token was drawn
+from (None means deterministic: q is one-hot at the token), and per drafted position the numbers
+its acceptance is predicted from (`acceptance_features`; see `backends.speculative.acceptance`).
+A drafter that drafts step by step asks a `DraftJudge` after each step whether a row should draft
+on, so a proposal whose next token would not pay for itself stops there.
 
 The `build_*` functions are what the registry (`policies.drafters`) names for the untrained kinds.
 """
@@ -15,6 +18,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from transformers import PreTrainedModel
 
@@ -25,6 +29,10 @@ from ..errors import ModelLoadError
 from ..kv import UNBOUNDED_TOKENS, PagedCache, check_full_attention
 from ..models import LoadedModel, load_model
 from ..sampling import SamplingParams, draw, target_probs
+from .acceptance import CONFIDENCE_FEATURES, NGRAM_FEATURES, confidence_features
+
+# (steps drawn so far, each row's features so far: (steps, f)) -> per row, whether to draw another.
+DraftJudge = Callable[[int, list[np.ndarray]], list[bool]]
 
 
 @dataclass
@@ -56,6 +64,9 @@ class DraftRow:
 class Proposal:
     tokens: list[list[int]]  # per row, at most the k asked for (possibly none)
     q: torch.Tensor | None = None  # (B, max k, V): q[b, j] is what tokens[b][j] was drawn from
+    # Per row, (len(tokens[b]), f): what each drafted position's acceptance is predicted from,
+    # computed before its token was drawn. None: the drafter reports none.
+    features: list[np.ndarray] | None = None
 
 
 class Drafter(ABC):
@@ -68,11 +79,14 @@ class Drafter(ABC):
     # when non-empty the engine calls `observe_target` after every target pass over its rows.
     feature_layers: tuple[int, ...] = ()
     max_draft: int | None = None  # the most tokens one proposal can hold (None: no limit)
+    acceptance_features: tuple[str, ...] = CONFIDENCE_FEATURES  # what Proposal.features holds
+    free: bool = False  # drafting costs next to nothing (no model runs): always worth asking
 
     @abstractmethod
-    def propose(self, rows: Sequence[DraftRow], ks: Sequence[int]) -> Proposal:
+    def propose(self, rows: Sequence[DraftRow], ks: Sequence[int], judge: DraftJudge | None = None) -> Proposal:
         """Up to ks[b] ≥ 1 tokens continuing row b. Draws randomness only from rows[b].generator,
-        and only for rows that sample."""
+        and only for rows that sample. A drafter drafting step by step may stop a row early where
+        `judge` says so."""
 
     def observe(self, rows: Sequence[DraftRow], accepted: Sequence[int]) -> None:  # noqa: B027 - optional hook
         """How many of the last proposal's tokens each of its rows accepted (roll back the rest)."""
@@ -102,16 +116,25 @@ class Drafter(ABC):
 
 @dataclass
 class _NgramIndex:
-    """Latest end offset of every n-gram seen so far in one sequence, for each n."""
+    """Latest end offset of every n-gram seen so far in one sequence, for each n, and how often each
+    token followed it."""
 
     grams: dict[int, dict[tuple[int, ...], int]] = field(default_factory=dict)
+    followers: dict[int, dict[tuple[int, ...], dict[int, int]]] = field(default_factory=dict)
     indexed_to: int = 0  # n-grams ending at offsets < this are indexed
 
 
 class NgramDrafter(Drafter):
     """Prompt lookup: find the longest suffix n-gram (n from max_n down to min_n) that occurred
     earlier in the prompt or the output and propose what followed its latest occurrence.
-    Deterministic and nearly free; strong when the answer copies its input."""
+    Deterministic and nearly free; strong when the answer copies its input. Each proposal is
+    described by its match (NGRAM_FEATURES): the length of the whole matching stretch (up to
+    MATCH_LIMIT — long when the answer has been copying for a while), how often the suffix occurred
+    and how often it was followed by the proposed token, how far back the copied occurrence is."""
+
+    acceptance_features = NGRAM_FEATURES
+    free = True
+    MATCH_LIMIT = 64
 
     def __init__(self, max_n: int = 4, min_n: int = 2):
         if not 1 <= min_n <= max_n:
@@ -119,8 +142,9 @@ class NgramDrafter(Drafter):
         self.max_n, self.min_n = max_n, min_n
         self.indexes: dict[int, _NgramIndex] = {}
 
-    def propose(self, rows: Sequence[DraftRow], ks: Sequence[int]) -> Proposal:
-        return Proposal([self._lookup(row, self._index(row.key), k) for row, k in zip(rows, ks, strict=True)])
+    def propose(self, rows: Sequence[DraftRow], ks: Sequence[int], judge: DraftJudge | None = None) -> Proposal:
+        found = [self._lookup(row, self._index(row.key), k) for row, k in zip(rows, ks, strict=True)]
+        return Proposal([tokens for tokens, _ in found], features=[f for _, f in found])
 
     def release(self, key: int) -> None:
         self.indexes.pop(key, None)
@@ -130,27 +154,47 @@ class NgramDrafter(Drafter):
 
     def _index(self, key: int) -> _NgramIndex:
         if key not in self.indexes:
-            self.indexes[key] = _NgramIndex({n: {} for n in range(self.min_n, self.max_n + 1)})
+            ns = range(self.min_n, self.max_n + 1)
+            self.indexes[key] = _NgramIndex({n: {} for n in ns}, {n: {} for n in ns})
         return self.indexes[key]
 
-    def _lookup(self, row: DraftRow, index: _NgramIndex, k: int) -> list[int]:
+    def _lookup(self, row: DraftRow, index: _NgramIndex, k: int) -> tuple[list[int], np.ndarray]:
+        none = np.zeros((0, len(NGRAM_FEATURES)))
         if k <= 0:
-            return []
+            return [], none
         context = row.context(max(0, index.indexed_to - self.max_n))
         offset = row.length - len(context)
         # Index n-grams ending before the last token: the suffix itself must not match itself.
         for end in range(max(index.indexed_to, 1), row.length):
+            following = context[end - offset]
             for n, grams in index.grams.items():
                 if end - n >= 0 and end - n >= offset:
-                    grams[tuple(context[end - n - offset : end - offset])] = end
+                    gram = tuple(context[end - n - offset : end - offset])
+                    grams[gram] = end
+                    seen = index.followers[n].setdefault(gram, {})
+                    seen[following] = seen.get(following, 0) + 1
         index.indexed_to = max(index.indexed_to, row.length)
         for n in range(self.max_n, self.min_n - 1, -1):
             if n > row.length:
                 continue
-            end = index.grams[n].get(tuple(row.context(row.length - n)))  # the suffix n-gram
+            suffix = tuple(row.context(row.length - n))
+            end = index.grams[n].get(suffix)
             if end is not None:
-                return row.context(end, end + k)
-        return []
+                tokens = row.context(end, end + k)
+                return tokens, self._features(row, end, index.followers[n][suffix], tokens)
+        return [], none
+
+    def _features(self, row: DraftRow, end: int, followers: dict[int, int], tokens: list[int]) -> np.ndarray:
+        """NGRAM_FEATURES of each proposed position (the match's, and the position)."""
+        reach = min(self.MATCH_LIMIT, end)
+        before, recent = row.context(end - reach, end), row.context(row.length - reach)
+        match = 0
+        while match < reach and before[-1 - match] == recent[-1 - match]:
+            match += 1
+        occurrences = sum(followers.values())
+        agreement = followers.get(tokens[0], 0) / occurrences if occurrences else 0.0
+        shared = [np.log1p(match), np.log1p(occurrences), agreement, np.log1p(row.length - end)]
+        return np.array([[*shared, float(j)] for j in range(len(tokens))])
 
 
 @dataclass
@@ -181,17 +225,18 @@ class ModelDrafter(Drafter):
         self.sequences: dict[int, _DraftSequence] = {}
 
     @torch.inference_mode()
-    def propose(self, rows: Sequence[DraftRow], ks: Sequence[int]) -> Proposal:
+    def propose(self, rows: Sequence[DraftRow], ks: Sequence[int], judge: DraftJudge | None = None) -> Proposal:
         if max(ks, default=0) == 0:
             return Proposal([[] for _ in rows])
         states = [self._state(row.key) for row in rows]
         pending = [self._rollback_to_context(row, state) for row, state in zip(rows, states, strict=True)]
         cache, seqs = self._cache(), [s.seq for s in states]
         proposal = draft_autoregressively(
-            cache.last_logits(seqs, pending), rows, ks, lambda blocks: cache.last_logits(seqs, blocks)
+            cache.last_logits(seqs, pending), rows, ks, lambda blocks: cache.last_logits(seqs, blocks), judge
         )
-        for state, row, block, tokens, k in zip(states, rows, pending, proposal.tokens, ks, strict=True):
-            state.cached += block + tokens[: max(k - 1, 0)]
+        for state, row, block, tokens in zip(states, rows, pending, proposal.tokens, strict=True):
+            # Every drafted token but the last went through the cache (the last was only drawn).
+            state.cached += block + tokens[: max(len(tokens) - 1, 0)]
             state.synced = row.length
         return proposal
 
@@ -248,39 +293,61 @@ def draft_autoregressively(
     rows: Sequence[DraftRow],
     ks: Sequence[int],
     feed: Callable[[list[list[int]]], torch.Tensor],
+    judge: DraftJudge | None = None,
 ) -> Proposal:
     """Draw up to ks[b] tokens per row, one step at a time: `logits` (B, V) give the first;
     `feed(blocks)` appends each row's drafted token (an empty block for rows already done, a hole
-    rather than a position) and returns the next logits."""
+    rather than a position) and returns the next logits. After each step `judge` (if any) sees
+    every row's features so far and may stop rows; drafting ends when no row goes on."""
+    ks = list(ks)
     steps = max(ks)
-    tokens, dists = [], []
+    tokens, dists, features = [], [], []
     for step in range(steps):
-        token, q = draw_drafts(logits, rows, [step < k for k in ks])
+        token, q, described = draw_drafts(logits, rows, [step < k for k in ks], step)
         tokens.append(token)
         dists.append(q)
-        if step + 1 < steps:
-            logits = feed([[t] if step + 1 < k else [] for t, k in zip(token.tolist(), ks, strict=True)])
+        features.append(described)
+        if step + 1 >= max(ks):
+            break
+        if judge is not None:
+            so_far = np.stack(features, axis=1)
+            going = judge(step + 1, [so_far[b, : min(k, step + 1)] for b, k in enumerate(ks)])
+            ks = [k if keep else min(k, step + 1) for k, keep in zip(ks, going, strict=True)]
+            if step + 1 >= max(ks):
+                break
+        logits = feed([[t] if step + 1 < k else [] for t, k in zip(token.tolist(), ks, strict=True)])
     drafted = torch.stack(tokens, dim=1).tolist()
     q = None if dists[0] is None else torch.stack(dists, dim=1)
-    return Proposal([drafted[b][:k] for b, k in enumerate(ks)], q)
+    described = np.stack(features, axis=1)
+    return Proposal([drafted[b][:k] for b, k in enumerate(ks)], q, [described[b, :k] for b, k in enumerate(ks)])
 
 
 def draw_drafts(
-    logits: torch.Tensor, rows: Sequence[DraftRow], drawing: Sequence[bool]
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Next draft token per row from (B, V) logits, and q (None when every row is greedy).
+    logits: torch.Tensor, rows: Sequence[DraftRow], drawing: Sequence[bool], position: int = 0
+) -> tuple[torch.Tensor, torch.Tensor | None, np.ndarray]:
+    """Next draft token per row from (B, V) logits, q (None when every row is greedy), and each
+    row's CONFIDENCE_FEATURES at this `position`, read from the distribution before any draw.
     Greedy rows, and rows whose drafts are already complete, take the argmax and draw no random
     number; sampling rows draw from q = the target's sampling transform of the draft logits."""
     tokens = logits.argmax(dim=-1)
+    probs = torch.softmax(logits.float(), dim=-1)
     sampled = [b for b, row in enumerate(rows) if not row.sampling.greedy]
     if not sampled:
-        return tokens, None
+        return tokens, None, _described(probs, position)
     q = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
     q[sampled] = target_probs(logits[sampled], [rows[b].sampling for b in sampled])
+    probs[sampled] = q[sampled]  # a sampling row is described by what it draws from
+    described = _described(probs, position)
     drawing_rows = [b for b in sampled if drawing[b]]
     if drawing_rows:
         tokens[drawing_rows] = draw(q[drawing_rows], [rows[b].generator for b in drawing_rows])
-    return tokens, q
+    return tokens, q, described
+
+
+def _described(probs: torch.Tensor, position: int) -> np.ndarray:
+    """CONFIDENCE_FEATURES of (B, V) distributions (reduced on their device; (B, 3) comes back)."""
+    entropy = -(probs * torch.log(probs.clamp_min(1e-30))).sum(dim=-1)
+    return confidence_features(probs.max(dim=-1).values.cpu().numpy(), entropy.cpu().numpy(), position)
 
 
 def early_exit_model(target: PreTrainedModel, layers: int) -> PreTrainedModel:

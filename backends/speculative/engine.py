@@ -14,6 +14,8 @@ target's, but k follows measured timings, and k decides how many random numbers 
 
 from __future__ import annotations
 
+from policies.profile import AcceptanceMap
+
 from ..models import LoadedModel
 from ..scheduler import K_LIMIT, KSetting, LoopSettings, Scheduler, measure_step_times, step_costs
 from .control import DraftCosts, StepCosts
@@ -32,15 +34,23 @@ class SpeculativeEngine(Scheduler):
         k_max: int = 8,
         costs: StepCosts | None = None,
         settings: LoopSettings | None = None,
+        acceptance: AcceptanceMap | None = None,
     ):
-        """`costs` (the target's step-time table) may be shared by engines serving the same target."""
-        super().__init__(loaded, settings, [drafter], k, k_max, costs)
+        """`costs` (the target's step-time table) may be shared by engines serving the same target;
+        `acceptance`: the drafter's fitted acceptance map to start from."""
+        maps = {drafter.name: acceptance} if acceptance is not None else None
+        super().__init__(loaded, settings, [drafter], k, k_max, costs, acceptance_maps=maps)
         self.drafter = drafter
 
     @property
     def totals(self) -> SpeculationStats:
         """This drafter's statistics over every request the engine ran."""
         return self.drafter_totals[self.drafter.name]
+
+    def acceptance_map(self) -> AcceptanceMap:
+        """This drafter's per-proposal acceptance map fitted on every position the engine judged
+        (scored out of fold, requests held out)."""
+        return self.predictors[self.drafter.name].fitted()
 
     @property
     def draft_costs(self) -> DraftCosts:

@@ -24,10 +24,11 @@ class SpeculationStats(BaseModel):
         description="on steps with a proposal: accepted tokens + one per step that stopped short of its k "
         "(a rejection, or a proposal shorter than asked)",
     )
+    declined_tokens: int = Field(0, description="drafted tokens auto k chose not to verify (their gain did not pay)")
     draft_time_s: float = 0.0
     verify_time_s: float = Field(0.0, description="target passes that verified drafts")
     target_step_s: float = Field(0.0, description="measured 1-token target pass at this batch size")
-    k_history: list[int] = Field(default_factory=list, description="k used at each step")
+    k_history: list[int] = Field(default_factory=list, description="drafted tokens verified at each step")
 
     @computed_field
     @property
@@ -83,6 +84,7 @@ class SpeculationStats(BaseModel):
             accepted_tokens=sum(p.accepted_tokens for p in parts),
             requested_steps=sum(p.requested_steps for p in parts),
             judged_tokens=sum(p.judged_tokens for p in parts),
+            declined_tokens=sum(p.declined_tokens for p in parts),
             accepted_per_position=[
                 sum(p.accepted_per_position[j] for p in parts if j < len(p.accepted_per_position))
                 for j in range(positions)
@@ -101,15 +103,17 @@ class SpeculationStats(BaseModel):
         draft_s: float,
         verify_s: float,
         requested: Sequence[int] | None = None,
+        declined: int = 0,
     ) -> None:
-        """One target pass: the k used, and per sequence in the pass its drafted and accepted counts
-        and the k it asked for (default: k for every sequence)."""
+        """One target pass: the k used (drafted tokens verified), and per sequence in the pass its
+        drafted and accepted counts and the k it asked for (default: k for every sequence)."""
         for asked, count, ok in zip(requested or [k] * len(drafted), drafted, accepted, strict=True):
             if asked:
                 self.requested_steps += 1
             if asked and count:
                 self.judged_tokens += ok + (1 if ok < asked else 0)
         self.steps += 1
+        self.declined_tokens += declined
         self.k_history.append(k)
         self.draft_time_s += draft_s
         if any(drafted):

@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from transformers import PreTrainedModel
 
@@ -29,6 +30,7 @@ from ..kv import UNBOUNDED_TOKENS, PagedCache
 from ..models import LoadedModel, resolve_dtype
 from .drafters import (
     Drafter,
+    DraftJudge,
     DraftRow,
     ModelDrafter,
     Proposal,
@@ -78,7 +80,7 @@ class EagleDrafter(Drafter):
         return self.sequences[key]
 
     @torch.inference_mode()
-    def propose(self, rows: Sequence[DraftRow], ks: Sequence[int]) -> Proposal:
+    def propose(self, rows: Sequence[DraftRow], ks: Sequence[int], judge: DraftJudge | None = None) -> Proposal:
         if max(ks, default=0) == 0:
             return Proposal([[] for _ in rows])
         states = [self._state(row.key) for row in rows]
@@ -94,7 +96,7 @@ class EagleDrafter(Drafter):
             last[0] = out.hidden
             return out.logits
 
-        return draft_autoregressively(out.logits, rows, ks, feed)
+        return draft_autoregressively(out.logits, rows, ks, feed, judge)
 
     def _true_pairs(
         self, rows: Sequence[DraftRow], states: Sequence[_EagleSequence]
@@ -139,21 +141,27 @@ class MedusaDrafter(Drafter):
         self.latest.pop(key, None)
 
     @torch.inference_mode()
-    def propose(self, rows: Sequence[DraftRow], ks: Sequence[int]) -> Proposal:
+    def propose(self, rows: Sequence[DraftRow], ks: Sequence[int], judge: DraftJudge | None = None) -> Proposal:
+        """Every head in one pass (nothing to save by stopping early: `judge` is not asked)."""
         steps = min(max(ks), len(self.net.heads))
         if steps == 0:
             return Proposal([[] for _ in rows])
         assert all(row.key in self.latest for row in rows), "the engine reports the prompt's features before drafting"
         features = torch.stack([self.latest[row.key] for row in rows])
         logits = self.head(self.net(features)[:, :steps])  # (B, steps, V)
-        tokens, dists = [], []
+        tokens, dists, features = [], [], []
         for j in range(steps):
-            token, q = draw_drafts(logits[:, j], rows, [j < k for k in ks])
+            token, q, described = draw_drafts(logits[:, j], rows, [j < k for k in ks], j)
             tokens.append(token)
             dists.append(q)
+            features.append(described)
         drafted = torch.stack(tokens, dim=1).tolist()
         q = None if dists[0] is None else torch.stack(dists, dim=1)
-        return Proposal([drafted[b][: min(k, steps)] for b, k in enumerate(ks)], q)
+        described = np.stack(features, axis=1)
+        lengths = [min(k, steps) for k in ks]
+        return Proposal(
+            [drafted[b][:n] for b, n in enumerate(lengths)], q, [described[b, :n] for b, n in enumerate(lengths)]
+        )
 
 
 def adapter_exit_model(target: PreTrainedModel, trained: TrainedDrafter) -> PreTrainedModel:

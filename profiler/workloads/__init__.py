@@ -1,10 +1,18 @@
-"""The project's own categorised prompt set (chat, code, summarization, RAG, translation, math,
-QA), written for specroute: what `bench spec` and the profiler measure acceptance on."""
+"""The project's own categorised prompt sets (chat, code, summarization, RAG, translation, math,
+QA), written for specroute:
+
+- `project` (prompts.yaml): what the profiler measures acceptance on, fits its predictors and
+  acceptance maps on, and everything in the project was developed against;
+- `heldout` (heldout.yaml): written separately, with realistic lengths (pasted documents,
+  multi-turn chats, code with context), and never tuned on: `bench spec` reports on it by default,
+  so what was tuned on one set is checked on the other.
+"""
 
 from __future__ import annotations
 
 from functools import cache
 from importlib.resources import files
+from typing import Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field
@@ -42,9 +50,13 @@ def check_categories(categories: list[str] | None) -> list[str] | None:
     return categories
 
 
+PromptSetName = Literal["project", "heldout"]
+PROMPT_SET_FILES: dict[str, str] = {"project": "prompts.yaml", "heldout": "heldout.yaml"}
+
+
 @cache
-def load_prompt_set() -> PromptSet:
-    text = files(__package__).joinpath("prompts.yaml").read_text(encoding="utf-8")
+def load_prompt_set(name: PromptSetName = "project") -> PromptSet:
+    text = files(__package__).joinpath(PROMPT_SET_FILES[name]).read_text(encoding="utf-8")
     return PromptSet.model_validate(yaml.safe_load(text))
 
 

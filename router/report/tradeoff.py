@@ -129,7 +129,8 @@ def heatmap(profile: Profile, policy: PolicyConfig, costs: ProfileCosts, spec: B
     points = []
     for a in (x for x in profile.acceptance if x.drafter == name):
         # With bench spec results, at the k it ran fixed, so predicted and measured meet at one k.
-        k = min(spec.config.fixed_k if spec is not None else a.k, k_hi)
+        fixed = spec.config.fixed_k if spec is not None else [a.k]
+        k = min(a.k if a.k in fixed else fixed[0], k_hi)
         points.append(
             r.HeatmapPoint(
                 category=a.category,

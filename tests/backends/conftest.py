@@ -47,9 +47,9 @@ class BrokenDrafter(NgramDrafter):
         super().__init__()
         self.where = where
 
-    def propose(self, rows, ks) -> Proposal:
+    def propose(self, rows, ks, judge=None) -> Proposal:
         self._break("propose")
-        return super().propose(rows, ks)
+        return super().propose(rows, ks, judge)
 
     def observe(self, rows, accepted) -> None:
         self._break("observe")

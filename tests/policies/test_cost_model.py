@@ -184,3 +184,32 @@ def test_tokens_per_step_matches_a_monte_carlo_of_sparse_proposals():
         standard_error = emitted.std() / np.sqrt(draws)
         assert abs(emitted.mean() - tokens_per_step(alpha, k, rho)) < 4 * standard_error
     assert tokens_per_step(0.5, 3) == pytest.approx(expected_tokens(0.5, 3))
+
+
+def _proposal(*acceptance: float, drafter: str = "d") -> RowOutlook:
+    return RowOutlook(drafter, 0.0, 1.0, len(acceptance), tuple(acceptance))
+
+
+def test_a_drafted_proposal_is_verified_up_to_where_its_predicted_gain_stops_paying():
+    # The expected extra tokens of verifying j positions are Σ_{i≤j} Π_{m≤i} a_m.
+    row = _proposal(0.95, 0.9, 0.9, 0.05, 0.9, 0.9)
+    assert row.gain(3) == pytest.approx(0.95 + 0.95 * 0.9 + 0.95 * 0.9 * 0.9)
+    costly = [0.05 * (1 + 0.15 * (w - 1)) for w in range(1, 10)]
+    assert plan_step([row], costly, {}, k_max=8, drafted={"d": 6}) == [3]
+    # A proposal nobody expects to pass is not verified at all: the step stays a 1-token pass.
+    assert plan_step([_proposal(0.04, 0.9)], costly, {}, k_max=8, drafted={"d": 2}) == [0]
+
+
+def test_drafting_already_done_costs_nothing_more_while_each_further_step_does():
+    row = RowOutlook("d", 0.8, 1.0, 6, (0.9, 0.85))  # two drawn; later positions expected at α = 0.8
+    dear = {"d": 0.03}
+    assert plan_step([row], PASS_S, dear, k_max=8, drafted={"d": 2}) == [2]  # stop drawing
+    assert plan_step([row], PASS_S, {"d": 0.0005}, k_max=8, drafted={"d": 2})[0] > 2  # cheap: draw on
+
+
+def test_time_already_spent_drafting_counts_in_every_option_of_the_step():
+    row = _proposal(0.3)
+    costly = [0.05, 0.05 * 1.35] + [0.05 * 1.5] * 7
+    assert plan_step([row], costly, {}, k_max=8, drafted={"d": 1}) == [0]
+    # Once the step has paid for a slow draft, the wide pass is a smaller share of its time.
+    assert plan_step([row], costly, {}, k_max=8, drafted={"d": 1}, spent_seconds=0.1) == [1]

@@ -11,7 +11,14 @@ pytestmark = pytest.mark.slow
 
 def test_bench_spec_compares_every_configuration_on_the_same_prompts(loaded):
     config = BenchSpecConfig(
-        max_tokens=6, categories=["rag"], prompts_per_category=1, drafters=["ngram"], fixed_k=2, k_max=3
+        max_tokens=6,
+        categories=["rag"],
+        prompts_per_category=1,
+        drafters=["ngram"],
+        fixed_k=2,
+        k_max=3,
+        calibration_prompts=2,
+        calibration_tokens=24,
     )
     report = run_bench_spec(config)
     [category] = report.categories
@@ -40,16 +47,27 @@ def test_bench_spec_compares_every_configuration_on_the_same_prompts(loaded):
     auto_fields = rows[2][len(f"  {auto.name:28} ") :].split()
     assert auto_fields[3:6] == [f"{auto.mean_accepted_length:.2f}", f"{auto.gamma:.3f}", f"{auto.mean_k:.1f}"]
     assert f"  ours over transformers: ngram k=auto / transformers prompt lookup = {ratio:.2f}×" in rows
+    # Timed on the held-out set, with the acceptance map fitted on the project set and scored on both.
+    assert report.config.prompt_set == "heldout" and "of the heldout set" in text
+    fitted, live = report.calibration
+    assert (fitted.prompt_set, fitted.how, live.prompt_set, live.how) == ("project", "out of fold", "heldout", "live")
+    assert fitted.positions > 0 and live.positions > 0
+    ratio = report.auto_versus_best_fixed["ngram"]["rag"]
+    assert ratio == pytest.approx(auto.tokens_per_s / category.runs[1].tokens_per_s)
+    assert f"rag {ratio:.2f}" in text
 
 
 def test_bench_spec_cli_writes_json(tmp_path, capsys, loaded):
     out = tmp_path / "spec.json"
     argv = ["bench", "spec", "--max-tokens", "4", "--categories", "qa", "--prompts", "1", "--drafters", "ngram"]
-    code = main([*argv, "--no-transformers", "--fixed-k", "2", "--out", str(out)])
+    code = main(
+        [*argv, "--no-transformers", "--fixed-k", "1,2", "--prompt-set", "project", "--no-calibrate", "--out", str(out)]
+    )
     assert code == 0 and "results written to" in capsys.readouterr().out
     saved = json.loads(out.read_text())
-    assert saved["categories"][0]["category"] == "qa"
-    assert [r["name"] for r in saved["categories"][0]["runs"]] == ["plain", "ngram k=2", "ngram k=auto"]
+    assert saved["categories"][0]["category"] == "qa" and saved["config"]["prompt_set"] == "project"
+    assert [r["name"] for r in saved["categories"][0]["runs"]] == ["plain", "ngram k=1", "ngram k=2", "ngram k=auto"]
+    assert all(s["how"] == "live" for s in saved["calibration"])  # no map was fitted first
 
 
 def test_unknown_category_is_refused(loaded):
@@ -62,3 +80,5 @@ def test_bench_spec_config_rejects_nonsense():
         BenchSpecConfig(drafters=["magic"])
     with pytest.raises(ValidationError, match=r"max_tokens\s+Input should be greater than or equal to 2"):
         BenchSpecConfig(max_tokens=1)
+    with pytest.raises(ValidationError, match="distinct integers from 1 to 32"):
+        BenchSpecConfig(fixed_k=[2, 2])

@@ -138,6 +138,22 @@ def test_alpha_predictor_beats_a_constant_on_held_out_prompts(profile):
     assert rho.mae_with_category < rho.mae_constant
 
 
+def test_each_drafter_gets_an_acceptance_map_fitted_on_its_runs_and_scored_out_of_fold(profile):
+    from backends.speculative.acceptance import CONFIDENCE_FEATURES, NGRAM_FEATURES
+
+    maps = {m.drafter: m for m in profile.acceptance_maps}
+    assert set(maps) == {"ngram", "eagle"}
+    assert maps["ngram"].features == list(NGRAM_FEATURES) and maps["eagle"].features == list(CONFIDENCE_FEATURES)
+    for m in maps.values():
+        assert m.samples > 50 and m.prompts > 7  # every judged position of the fixed-k runs, by prompt
+        assert m.brier is not None and m.brier < 0.3 and sum(b.count for b in m.reliability) == m.samples
+    # Prompt lookup's match features tell good proposals from bad ones better than a constant.
+    assert maps["ngram"].brier < maps["ngram"].brier_constant
+    report = render_profile(profile)
+    assert "per-proposal acceptance maps" in report
+    assert f"ngram: {maps['ngram'].samples} positions from {maps['ngram'].prompts} prompts" in report
+
+
 def test_profile_round_trips_and_refits_the_same_predictor(profile, profile_path):
     loaded = Profile.load(profile_path)
     assert loaded == profile

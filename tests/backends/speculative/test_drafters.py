@@ -1,3 +1,4 @@
+import numpy as np
 import pytest
 import torch
 
@@ -154,3 +155,43 @@ def test_built_drafters_carry_the_registry_name_through_fresh(tiny_target):
     assert drafter.name == "early-exit-1" and drafter.fresh().name == "early-exit-1"
     lookup = build_drafter(DrafterConfig(kind="ngram"), tiny_target)
     assert lookup.name == "ngram" and lookup.fresh().name == "ngram"
+
+
+def test_ngram_features_describe_the_match_each_proposal_copies():
+    from backends.speculative.acceptance import NGRAM_FEATURES
+
+    # [7, 8] occurred twice before: followed by 9 once, then by 5 (the latest, which is proposed).
+    row = _row([1, 7, 8, 9, 2, 3, 7, 8, 5, 6, 4, 3, 7, 8])
+    drafter = NgramDrafter(max_n=2, min_n=2)
+    proposal = drafter.propose([row], [2])
+    assert proposal.tokens == [[5, 6]]
+    [features] = proposal.features
+    assert features.shape == (2, len(NGRAM_FEATURES))
+    named = dict(zip(NGRAM_FEATURES, features[0], strict=True))
+    assert named["match"] == pytest.approx(np.log1p(3))  # 3, 7, 8 matches before the copied 5
+    assert named["occurrences"] == pytest.approx(np.log1p(2))
+    assert named["agreement"] == pytest.approx(0.5)
+    assert named["distance"] == pytest.approx(np.log1p(len(row.prompt_ids) - 8))
+    assert features[:, -1].tolist() == [0.0, 1.0]  # the position in the draft
+
+
+def test_a_judge_stops_each_row_of_a_model_drafter_where_it_says():
+    model = tiny_model(64, seed=2)
+    drafter = ModelDrafter(model, 64)
+    rows = [_row([1, 2, 3, 4], key=0), _row([5, 6, 7], key=1)]
+    seen = []
+
+    def judge(steps, features):
+        seen.append([f.shape[0] for f in features])
+        return [steps < 2, True]  # row 0 stops after two tokens, row 1 drafts all it asked for
+
+    proposal = drafter.propose(rows, [5, 4], judge)
+    assert [len(t) for t in proposal.tokens] == [2, 4] and [f.shape[0] for f in proposal.features] == [2, 4]
+    assert seen[0] == [1, 1] and len(seen) == 3
+    unjudged = ModelDrafter(model, 64).propose([_row([1, 2, 3, 4]), _row([5, 6, 7], key=1)], [5, 4])
+    assert proposal.tokens[0] == unjudged.tokens[0][:2] and proposal.tokens[1] == unjudged.tokens[1]
+    # The next proposal continues from a cache that holds only what was fed.
+    rows[0].token_ids.extend(proposal.tokens[0])
+    again = drafter.propose(rows[:1], [2])
+    fresh = ModelDrafter(model, 64).propose([_row([1, 2, 3, 4, *proposal.tokens[0]])], [2])
+    assert again.tokens == fresh.tokens

@@ -11,6 +11,7 @@ from backends.errors import RequestError
 from backends.generation import GenerationRequest
 from backends.plain import PlainEngine
 from backends.sampling import SamplingParams, target_probs
+from backends.speculative.control import DraftCosts, StepCosts
 from backends.speculative.drafters import Drafter, ModelDrafter, NgramDrafter, Proposal, early_exit_model
 from backends.speculative.engine import SpeculativeEngine, step_costs
 from backends.speculative.stats import SpeculationStats
@@ -93,9 +94,10 @@ class SpyDrafter(Drafter):
 
     def __init__(self, inner: Drafter):
         self.inner, self.name, self.proposals, self.released = inner, inner.name, [], []
+        self.acceptance_features, self.free = inner.acceptance_features, inner.free
 
-    def propose(self, rows, ks):
-        proposal = self.inner.propose(rows, ks)
+    def propose(self, rows, ks, judge=None):
+        proposal = self.inner.propose(rows, ks, judge)
         self.proposals.append(
             [(row.length, tokens[:k]) for row, tokens, k in zip(rows, proposal.tokens, ks, strict=True)]
         )
@@ -241,14 +243,14 @@ def _matches_target(samples: list[tuple[int, int]], joint: dict[tuple[int, int],
     return float(chisquare(observed, [e * scale for e in expected]).pvalue) > 1e-3
 
 
-def _sample_pairs(engine, prompt: str, other: str, batches: int) -> list[tuple[int, int]]:
+def _sample_pairs(engine, prompt: str, other: str, batches: int, max_tokens: int = 4) -> list[tuple[int, int]]:
     """Tokens 2 and 3 of many seeded generations, in batches that mix in a prompt of another length."""
     pairs = []
     for b in range(batches):
         requests = [
             GenerationRequest(
                 prompt=other if row in (2, 5) else prompt,
-                max_tokens=4,
+                max_tokens=max_tokens,
                 ignore_eos=True,
                 sampling=SAMPLING.model_copy(update={"seed": b * 100 + row}),
             )
@@ -283,6 +285,48 @@ def test_the_end_to_end_check_catches_a_classic_bug(tiny_pair, monkeypatch):
     joint = _exact_joint(target, target.tokenizer(prompt).input_ids, SAMPLING)
     assert all(s in joint for s in samples)  # no sample leaves the support: only the χ² test can tell
     assert not _matches_target(samples, joint)
+
+
+class CountingDrafter(ModelDrafter):
+    """A model drafter that counts what it drafted and how often a judge cut a row short; `free`
+    makes the loop treat it like prompt lookup (always asked for its cap, never judged while
+    drafting, so the verify choice does all the cutting)."""
+
+    def __init__(self, model, vocab, free=False):
+        super().__init__(model, vocab)
+        self.drafted, self.cut, self.free = 0, 0, free
+
+    def propose(self, rows, ks, judge=None):
+        proposal = super().propose(rows, ks, judge)
+        self.drafted += sum(len(t) for t in proposal.tokens)
+        self.cut += sum(len(t) < k for t, k in zip(proposal.tokens, ks, strict=True))
+        return proposal
+
+    def fresh(self):
+        return CountingDrafter(self.model, self.model.config.vocab_size, self.free)
+
+
+@pytest.mark.parametrize("free", [False, True], ids=["judged-while-drafting", "cut-before-verifying"])
+def test_auto_k_that_cuts_drafts_short_stays_exact(tiny_pair, monkeypatch, free):
+    """With auto k, how far each row drafts and how much of it is verified follow its predicted
+    acceptance; those choices read only what was known before each token was drawn, so sampling
+    keeps the target's distribution. Costs are set so the cuts bite: drafting nearly free (drafts
+    run long), each extra verified token dearer."""
+    monkeypatch.setattr(DraftCosts, "record", lambda *args, **kwargs: None)
+    target, draft_model = tiny_pair
+    steep = StepCosts(lambda batch, widths: {w: 0.01 * (1 + 0.1 * (w - 1)) for w in widths}, max_width=9)
+    drafter = CountingDrafter(draft_model, target.model.config.vocab_size, free)
+    engine = SpeculativeEngine(target, drafter, k="auto", k_max=8, costs=steep)
+    engine.drafter_costs[drafter.name] = DraftCosts(step_s={b: 1e-5 for b in (1, 2, 4, 8)})
+    prompt, other = "Once upon a time", "A much longer prompt about a completely different topic, namely"
+    samples = _sample_pairs(engine, prompt, other, batches=300, max_tokens=6)
+    joint = _exact_joint(target, target.tokenizer(prompt).input_ids, SAMPLING)
+    if free:
+        assert engine.totals.declined_tokens > 0.2 * drafter.drafted, "the verify choice cut too little"
+    else:
+        assert drafter.cut > 0, "the judge never stopped a draft"
+    assert engine.totals.accepted_tokens > 0.1 * engine.totals.draft_tokens
+    assert _matches_target(samples, joint)
 
 
 def test_seeded_sampling_reproduces_exactly(tiny_pair):
@@ -325,7 +369,7 @@ class OracleDrafter(Drafter):
         self.continuation, self.alpha, self.vocab = continuation, alpha, vocab
         self.rng = np.random.default_rng(seed)
 
-    def propose(self, rows, ks):
+    def propose(self, rows, ks, judge=None):
         tokens = []
         for row, k in zip(rows, ks, strict=True):
             truth = self.continuation[len(row.prompt_ids)][len(row.token_ids) : len(row.token_ids) + k]
