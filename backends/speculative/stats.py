@@ -135,7 +135,9 @@ class SpeculationStats(BaseModel):
         ks = sorted(set(self.k_history))
         k_text = f"k={self.k_mode}" + (f" (used {ks[0]}..{ks[-1]})" if len(ks) > 1 else f" ({ks[0]})" if ks else "")
         return (
-            f"[{self.drafter}] {k_text} · {self.drafts} drafts, {self.accepted_tokens}/{self.draft_tokens} accepted · "
+            f"[{self.drafter}] {k_text} · {self.drafts} drafts, {self.accepted_tokens}/{self.draft_tokens} accepted"
+            + (f" ({self.declined_tokens} more drafted, not worth verifying)" if self.declined_tokens else "")
+            + " · "
             f"acceptance {self.acceptance_rate:.2f} · α {self.alpha:.2f} · "
             f"mean accepted length {self.mean_accepted_length:.2f} · "
             f"γ {self.gamma:.3f} · draft {self.draft_time_s * 1e3:.0f} ms, verify {self.verify_time_s * 1e3:.0f} ms"
