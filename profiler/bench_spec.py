@@ -137,13 +137,13 @@ Runner = Callable[[GenerationRequest], GenerationResult | list[int]]
 
 
 def run_bench_spec(config: BenchSpecConfig) -> BenchSpecReport:
-    loaded = load_target(config)
-    runners, pairs, costs, engines, maps = _runners(config, loaded)
     prompt_set = load_prompt_set(config.prompt_set)
     categories = config.categories or list(prompt_set.categories)
     unknown = sorted(set(categories) - set(prompt_set.categories))
-    if unknown:
+    if unknown:  # before loading anything: the maps are fitted on these categories too
         raise ValueError(f"unknown categories {unknown}: choose from {sorted(prompt_set.categories)}")
+    loaded = load_target(config)
+    runners, pairs, costs, engines, maps = _runners(config, loaded)
     work = {c: prompt_set.categories[c].prompts[: config.prompts_per_category] for c in categories}
     total = len(runners) * (1 + sum(len(p) for p in work.values()))
     results = []

@@ -179,7 +179,10 @@ class AcceptancePredictor:
         self._fitted_at = self.judged
 
     def fitted(self, folds: int = 5) -> AcceptanceMap:
-        """A map fitted on every judged position kept, scored out of fold by request."""
+        """A map fitted on every judged position kept, scored out of fold by request (the map in use
+        when nothing was judged)."""
+        if not self.y:
+            return self.map
         return fit_map(
             self.drafter, self.features, np.stack(self.x), np.asarray(self.y), np.asarray(self.groups), folds
         )

@@ -86,3 +86,8 @@ def test_confidence_features_are_logit_entropy_and_position():
     features = confidence_features(np.array([0.5, 1.0]), np.array([0.7, 0.0]), position=3)
     assert features[0].tolist() == pytest.approx([0.0, 0.7, 3.0])
     assert features[1, 0] == pytest.approx(9.0)  # certainty is clipped, not infinite
+
+
+def test_with_nothing_judged_the_fitted_map_is_the_one_in_use():
+    predictor = AcceptancePredictor("d", CONFIDENCE_FEATURES, prior=0.3)
+    assert predictor.fitted() is predictor.map and predictor.map.samples == 0
