@@ -431,11 +431,10 @@ class Scheduler:
         ]
         if not any(o.drafter for o in outlooks):
             return
-        drawn = {
-            o.drafter: max(len(d) for o2, d in zip(outlooks, drafts, strict=True) if o2.drafter == o.drafter)
-            for o in outlooks
-            if o.drafter
-        }
+        drawn: dict[str, int] = {}  # per drafter, its longest proposal: every step of it is spent
+        for outlook, d in zip(outlooks, drafts, strict=True):
+            if outlook.drafter is not None:
+                drawn[outlook.drafter] = max(drawn.get(outlook.drafter, 0), len(d))
         chosen = plan_step(
             outlooks, self._pass_seconds(len(rows)), {}, self.k_max, drafted=drawn, spent_seconds=spent_s
         )
@@ -453,7 +452,6 @@ class Scheduler:
         name, predictor = drafter.name, self.predictors[drafter.name]
         step_s = self.drafter_costs[name].step_s.get(batch_bucket(len(group)), 0.0)
         pass_s = self._pass_seconds(len(rows))
-        members = dict.fromkeys(group)
 
         def judge(steps: int, features: list[np.ndarray]) -> list[bool]:
             outlooks = [RowOutlook(None, 0.0, 0.0, 0) for _ in rows]
@@ -463,7 +461,7 @@ class Scheduler:
                 outlooks[b] = RowOutlook(name, float(a[-1]) if len(a) else 0.0, 1.0, cap, tuple(a.tolist()))
             spent = time.perf_counter() - started
             plan = plan_step(outlooks, pass_s, {name: step_s}, self.k_max, drafted={name: steps}, spent_seconds=spent)
-            return [plan[b] > steps for b in members]
+            return [plan[b] > steps for b in group]
 
         return judge
 
