@@ -10,6 +10,16 @@ scratch block nobody reads) and hands attention each sequence's keys gathered in
 4-D mask that shows every real query exactly its own sequence's tokens up to itself. Positions
 are per sequence, so padding never shifts a rotary phase.
 
+Width-invariant passes (`tile`): in bfloat16 a token's logits depend on how many positions the
+pass computes beside it (matrix kernels and attention pick different blockings, so different
+reduction orders, for different shapes), so a token verified in a block of k + 1 can differ from
+the same token decoded alone. With a tile W, every pass that decodes or verifies runs W positions
+(real tokens first, padding after, which causal attention keeps away from them), and every pass's
+key columns are whole attention splits (`ATTENTION_SPLIT`: the CPU flash-attention kernel's key
+block, so a key block's reduction never depends on how many masked columns follow). A token's
+logits are then the same bits whether it was decoded alone or verified in a block. Only the real
+positions' logits are computed: the LM head's rows do not depend on how many rows it has.
+
 Memory is bounded: the pool grows by doubling up to `max_tokens` and never past it (one layer
 at a time, so growing holds at most one layer's pools twice); `reserve` lets a scheduler admit
 only what is sure to fit, so the target's cache never runs out mid-run. A drafter's own cache
@@ -30,6 +40,7 @@ from transformers.cache_utils import DynamicLayer
 from .errors import ModelLoadError
 
 BLOCK_TOKENS = 16
+ATTENTION_SPLIT = 512  # torch's CPU flash attention reads keys in blocks of this many columns
 FIRST_POOL_BLOCKS = 64  # the pool starts this small and doubles on demand
 UNBOUNDED_TOKENS = 1 << 24  # for caches whose use another, bounded cache already limits
 
@@ -66,15 +77,19 @@ class PagedCache:
         max_tokens: int,
         block_tokens: int = BLOCK_TOKENS,
         feature_layers: Sequence[int] = (),
+        tile: int | None = None,
     ):
         """`max_tokens`: the most tokens (over all sequences) the pool may ever hold. With
-        `feature_layers`, every forward also keeps those hidden states (see `features`)."""
+        `feature_layers`, every forward also keeps those hidden states (see `features`). With
+        `tile`, passes are width-invariant (see the module docstring): every pass that keeps all
+        positions' logits runs `tile` positions wide."""
         check_full_attention(model)
         config = model.config
         self.model = model
         self.block_tokens = block_tokens
         self.max_blocks = max(2, math.ceil(max_tokens / block_tokens) + 1)  # + the scratch block
         self.feature_layers = tuple(feature_layers)
+        self.tile = tile
         self.hidden_states: dict[int, torch.Tensor] = {}
         parameter = next(model.parameters())
         self.device, self.dtype = parameter.device, _cache_dtype(model)
@@ -156,6 +171,10 @@ class PagedCache:
         like the padded block (B, W, …), e.g. the features an EAGLE head reads."""
         counts = [len(b) for b in blocks]
         width = max(max(counts, default=1), 1) if width is None else width
+        if self.tile is not None and keep == "all":
+            width = max(width, self.tile)
+            if width > self.tile:
+                raise ValueError(f"a width-invariant pass is {self.tile} positions wide; {width} were asked for")
         if width < max(counts, default=0):
             raise ValueError(f"width {width} is narrower than the longest block ({max(counts)})")
         starts = [self.sequences[s].length for s in seqs]
@@ -167,6 +186,8 @@ class PagedCache:
             input_ids[row, : len(block)] = torch.tensor(list(block), dtype=torch.long)
         positions, mask = self._plan(seqs, starts, counts, width)
         logits_to_keep: int | torch.Tensor = width
+        if self.tile is not None:  # padding's logits are never read
+            logits_to_keep = torch.arange(max(max(counts, default=1), 1), device=self.device)
         columns = None
         if keep == "last":
             wanted = sorted({max(c, 1) - 1 for c in counts})
@@ -233,7 +254,8 @@ class PagedCache:
         bs = self.block_tokens
         batch = len(seqs)
         columns = max(max(s + c for s, c in zip(starts, counts, strict=True)), 1)
-        columns = self._blocks_for(columns) * bs
+        split = bs if self.tile is None else ATTENTION_SPLIT
+        columns = math.ceil(columns / split) * split
         start = torch.tensor(starts, dtype=torch.long).unsqueeze(1)
         count = torch.tensor(counts, dtype=torch.long).unsqueeze(1)
         offsets = torch.arange(width).unsqueeze(0)

@@ -64,6 +64,10 @@ from .speculative.stats import SpeculationStats
 log = logging.getLogger("specroute.scheduler")
 KSetting = int | Literal["auto"]
 K_LIMIT = 32
+# Measured on a 2-core AMD EPYC in bfloat16 (README): a pass costs more the wider it is, so the
+# default tile is the narrowest that verifies the default k_max of 8.
+DEFAULT_TILE_WIDTH = 9
+REDUCED_PRECISION = ("bfloat16", "float16")
 MIN_PREFILL_TOKENS = 16  # a step always prefills at least this much, however busy decoding is
 FailureListener = Callable[[BaseException], None]
 
@@ -82,10 +86,27 @@ class LoopSettings(BaseModel):
     kv_cache_tokens: int | None = Field(
         None, ge=64, description="tokens the KV cache may hold over all sequences (default: max_batch × 2048)"
     )
+    width_invariant: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="run every decode and verify pass tile_width positions wide, so speculative output equals "
+        "plain output bit for bit in reduced precision ('auto': on for bfloat16 and float16 targets)",
+    )
+    tile_width: int = Field(
+        DEFAULT_TILE_WIDTH,
+        ge=2,
+        le=K_LIMIT + 1,
+        description="positions of a width-invariant pass: every loop over one target must use the same, and a "
+        "speculative loop verifies at most tile_width - 1 drafted tokens",
+    )
 
     @property
     def cache_tokens(self) -> int:
         return self.kv_cache_tokens or self.max_batch * 2048
+
+    def tile(self, dtype: str) -> int | None:
+        """The pass width every target pass runs at for a target in `dtype`, or None (natural widths)."""
+        on = self.width_invariant == "on" or (self.width_invariant == "auto" and dtype in REDUCED_PRECISION)
+        return self.tile_width if on else None
 
 
 @dataclass
@@ -173,9 +194,15 @@ class Scheduler:
             raise ValueError(f"drafter names must differ (got {[d.name for d in drafters]})")
         self.default_drafter = drafters[0].name if drafters else None
         self.k, self.k_max = k, (k_max if k == "auto" else int(k))
+        self.tile = self.settings.tile(loaded.info.dtype)
+        if drafters and self.tile is not None and self.k_max + 1 > self.tile:
+            raise RequestError(
+                f"k_max {self.k_max} needs passes of {self.k_max + 1} positions; width-invariant passes here are "
+                f"{self.tile} wide: lower k (or k_max), or raise tile_width for every backend of this target"
+            )
         layers = sorted({i for d in drafters for i in d.feature_layers})
-        self.cache = PagedCache(self.model, self.settings.cache_tokens, feature_layers=layers)
-        self.costs = costs if costs is not None or not drafters else step_costs(loaded, self.k_max + 1)
+        self.cache = PagedCache(self.model, self.settings.cache_tokens, feature_layers=layers, tile=self.tile)
+        self.costs = costs if costs is not None or not drafters else step_costs(loaded, self.k_max + 1, self.settings)
         if self.costs is not None and self.costs.max_width < self.k_max + 1:
             raise ValueError(f"the step-cost table covers widths up to {self.costs.max_width}, need {self.k_max + 1}")
         seeded = draft_costs or {}
@@ -707,11 +734,13 @@ def _backlog(drafter: Drafter, rows: list[Row]) -> int:
     return sum(drafter.backlog(r.draft) for r in rows if r.drafter is drafter)
 
 
-def step_costs(loaded: LoadedModel, max_width: int) -> StepCosts:
-    """A step-cost table for this target, probed per batch bucket on first use."""
+def step_costs(loaded: LoadedModel, max_width: int, settings: LoopSettings | None = None) -> StepCosts:
+    """A step-cost table for this target, probed per batch bucket on first use, through passes
+    shaped as the loop with these settings runs them (width-invariant or not)."""
+    tile = (settings or LoopSettings()).tile(loaded.info.dtype)
 
     def probe(batch: int, widths: Sequence[int]) -> dict[int, float]:
-        return measure_step_times(loaded.model, batch, widths)
+        return measure_step_times(loaded.model, batch, widths, tile=tile)
 
     return StepCosts(probe, max_width=max_width)
 
@@ -720,10 +749,10 @@ PROBE_CONTEXT = 64  # tokens per row in the step-cost probe
 PROBE_REPEATS = 3
 
 
-def seeded_step_costs(loaded: LoadedModel, curve: CostCurve) -> StepCosts:
+def seeded_step_costs(loaded: LoadedModel, curve: CostCurve, settings: LoopSettings | None = None) -> StepCosts:
     """The step-cost table started from a measured curve (a profile's), so no request waits for a
     timing probe."""
-    costs = step_costs(loaded, max_width=curve.max_width)
+    costs = step_costs(loaded, curve.max_width, settings)
     for b, row in zip(curve.batches, curve.seconds, strict=True):
         if b & (b - 1) == 0:  # the table is keyed by power-of-two buckets
             costs.target_s.update({(b, w): s for w, s in zip(curve.widths, row, strict=True)})
@@ -738,14 +767,16 @@ def measure_step_times(
     context: int = PROBE_CONTEXT,
     repeats: int = PROBE_REPEATS,
     enough_s: float | None = None,
+    tile: int | None = None,
 ) -> dict[int, float]:
     """Best-of-`repeats` seconds of a target pass of each width (new tokens per row) over `context`
     cached tokens per row, through the same paged cache the step loop uses. The context is
     placeholder keys and values (a pass costs the same whatever they hold), so no prefill is paid
     for it. The repeats go round all widths in turn, so a slow spell on a busy machine spoils one
     round of every width rather than every try of one width; with `enough_s`, rounds stop after
-    two once they have taken that long."""
-    cache = PagedCache(model, batch * (context + max(widths) + BLOCK_TOKENS))
+    two once they have taken that long. With `tile`, passes are width-invariant (`PagedCache`), as
+    a loop in that mode runs them."""
+    cache = PagedCache(model, batch * (context + max(widths) + BLOCK_TOKENS), tile=tile)
     seqs = [cache.add() for _ in range(batch)]
     generator = torch.Generator().manual_seed(0)
     vocab = model.config.vocab_size  # not the LM head: an int8 head has no float weight matrix

@@ -25,6 +25,7 @@ from transformers import GenerationConfig
 from backends.generation import GenerationRequest, GenerationResult
 from backends.models import LoadedModel
 from backends.plain import PlainEngine
+from backends.scheduler import LoopSettings, Scheduler
 from backends.speculative.control import StepCosts
 from backends.speculative.drafters import Drafter, ModelDrafter
 from backends.speculative.engine import SpeculativeEngine, step_costs
@@ -38,6 +39,7 @@ from .settings import BenchTarget, load_target
 from .workloads import PromptSetName, load_prompt_set
 
 PLAIN = "plain"
+NATURAL_WIDTHS = "plain, natural widths"
 
 
 class BenchSpecConfig(BenchTarget):
@@ -166,6 +168,11 @@ def _runners(
     plain = PlainEngine(loaded)
     costs = step_costs(loaded, max_width=max(config.k_max, *config.fixed_k) + 1)
     runners: dict[str, Runner] = {PLAIN: lambda r: plain.generate([r])[0]}
+    if LoopSettings().tile(loaded.info.dtype) is not None:
+        # Reduced precision: the exact reference is the plain step loop, width-invariant as the plain
+        # backend serves it; plain decoding at natural widths runs beside it, for its speed and its drift.
+        loop = Scheduler(loaded)
+        runners = {PLAIN: lambda r: loop.generate([r])[0], NATURAL_WIDTHS: runners[PLAIN]}
     pairs: dict[str, str] = {}
     autos: dict[str, SpeculativeEngine] = {}
     scores: list[CalibrationScore] = []

@@ -39,7 +39,7 @@ from backends.quantized import (
     quantize,
     resolve_method,
 )
-from backends.scheduler import seeded_step_costs
+from backends.scheduler import LoopSettings, seeded_step_costs
 from backends.speculative.drafters import Drafter, ModelDrafter
 from backends.speculative.engine import K_LIMIT, SpeculativeEngine, measure_step_times
 from backends.speculative.factory import build_drafter
@@ -360,10 +360,17 @@ def _request(prompt: WorkloadPrompt, max_tokens: int) -> GenerationRequest:
 def measure_curve(
     loaded: LoadedModel, config: ProfileConfig, widths: Sequence[int], label: str, progress: bool
 ) -> CostCurve:
-    """Fastest of `repeats` pass times for every batch × width, `context_tokens` cached per sequence."""
+    """Fastest of `repeats` pass times for every batch × width, `context_tokens` cached per sequence,
+    through passes shaped as the step loop runs them in this dtype (width-invariant in reduced
+    precision: then every width up to the tile costs one tile-wide pass)."""
     context, repeats = config.context_tokens, config.repeats
+    tile = LoopSettings().tile(loaded.info.dtype)
+    if tile is not None and max(widths) > tile:
+        raise ProfileError(
+            f"{loaded.info.dtype} passes are width-invariant, {tile} positions wide: profile with max_width ≤ {tile}"
+        )
     rows = [
-        list(measure_step_times(loaded.model, b, widths, context, repeats, config.enough_s).values())
+        list(measure_step_times(loaded.model, b, widths, context, repeats, config.enough_s, tile).values())
         for b in tqdm(config.batches, desc=label, unit="batch", disable=not progress)
     ]
     return CostCurve(batches=list(config.batches), widths=list(widths), seconds=rows)

@@ -458,13 +458,14 @@ def run_generate(args: argparse.Namespace) -> int:
 
 
 def _engine(args: argparse.Namespace, loaded: object) -> object:
-    """The plain engine, or the speculative one with the drafter the flags describe."""
-    from backends.plain import PlainEngine
+    """The plain backend's step loop (width-invariant where the dtype needs it, so its tokens are
+    the speculative engine's), or the speculative engine with the drafter the flags describe."""
+    from backends.scheduler import Scheduler
 
     if args.speculative is None:
         if args.k is not None:
             raise UsageError(f"--k needs --speculative: pick a drafter ({', '.join(KINDS)})")
-        return PlainEngine(loaded)
+        return Scheduler(loaded)
     from backends.speculative.engine import SpeculativeEngine
     from backends.speculative.factory import build_drafter
 

@@ -20,6 +20,13 @@ def loaded() -> LoadedModel:
 
 
 @pytest.fixture(scope="session")
+def loaded_bf16() -> LoadedModel:
+    """The embedded model in bfloat16, where only width-invariant passes keep speculation exact."""
+    prepare_embedded_model(log=lambda _: None)
+    return load_model("embedded", dtype="bfloat16")
+
+
+@pytest.fixture(scope="session")
 def engine(loaded: LoadedModel) -> PlainEngine:
     return PlainEngine(loaded)
 

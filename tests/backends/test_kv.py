@@ -131,3 +131,32 @@ def test_feature_layers_are_the_models_own_hidden_states(loaded):
     torch.testing.assert_close(
         cache.features(layers)[0], torch.cat([full[i][0, 5:] for i in layers], -1), rtol=1e-3, atol=1e-3
     )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("context", [40, 300, 505, 1030], ids=lambda n: f"context{n}")
+def test_width_invariant_passes_give_a_token_the_same_logits_alone_or_in_a_block(loaded_bf16, context):
+    """bfloat16: nine tokens fed one pass each and fed in one pass get bit-identical logits when
+    every pass is a tile (here 9 wide) and its key columns whole attention splits; contexts on both
+    sides of a split (512) and a block straddling one."""
+    generator = torch.Generator().manual_seed(context)
+    tokens = torch.randint(0, loaded_bf16.model.config.vocab_size, (context + 9,), generator=generator).tolist()
+    alone, block = (PagedCache(loaded_bf16.model, 2048, tile=9) for _ in range(2))
+    one, many = alone.add(), block.add()
+    with torch.inference_mode():
+        for cache, seq in ((alone, one), (block, many)):
+            cache.forward([seq], [tokens[:context]], keep="last")
+        singles = torch.stack([alone.logits([one], [[t]])[0, 0] for t in tokens[context:]])
+        together = block.logits([many], [tokens[context:]])[0]
+    assert together.shape == singles.shape == (9, loaded_bf16.model.config.vocab_size)
+    assert torch.equal(singles, together)
+
+
+def test_a_tile_computes_only_the_real_positions_logits_and_refuses_wider_blocks(tiny_target):
+    cache = PagedCache(tiny_target.model, 256, tile=4)
+    seq = cache.add()
+    with torch.inference_mode():
+        assert cache.logits([seq], [[1, 2]]).shape[1] == 2  # padding's logits are never computed
+        assert cache.length(seq) == 2
+        with pytest.raises(ValueError, match="4 positions wide"):
+            cache.logits([seq], [[1, 2, 3, 4, 5]])

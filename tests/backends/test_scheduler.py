@@ -364,3 +364,27 @@ def test_ttft_counts_the_wait_for_a_row(tiny_target):
         scheduler.step()
     a, b = first.state.result(scheduler.tokenizer), second.state.result(scheduler.tokenizer)
     assert b.ttft_s > a.ttft_s + 19 * a.tpot_s  # its clock ran while the first request held the only row
+
+
+@pytest.mark.parametrize(
+    ("mode", "dtype", "tile"),
+    [
+        ("auto", "bfloat16", 9),
+        ("auto", "float16", 9),
+        ("auto", "float32", None),
+        ("on", "float32", 9),
+        ("off", "bfloat16", None),
+    ],
+)
+def test_passes_are_width_invariant_in_reduced_precision_unless_told(mode, dtype, tile):
+    assert LoopSettings(width_invariant=mode).tile(dtype) == tile
+
+
+def test_a_speculative_loop_that_would_verify_past_the_tile_is_refused(tiny_target):
+    settings = LoopSettings(width_invariant="on", tile_width=5)
+    assert Scheduler(tiny_target, settings).tile == 5  # a plain loop takes any tile
+    with pytest.raises(RequestError, match="tile_width"):
+        Scheduler(tiny_target, settings, [lookup()], k=5)
+    with pytest.raises(RequestError, match="k_max 8 needs passes of 9 positions"):
+        Scheduler(tiny_target, settings, [lookup()], k="auto", k_max=8)
+    assert Scheduler(tiny_target, settings, [lookup()], k=4).tile == 5
