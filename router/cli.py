@@ -82,6 +82,13 @@ def build_parser() -> argparse.ArgumentParser:
         ),
         (
             benches,
+            "invariance",
+            "does greedy output depend on the pass width or the batch? width-invariant passes on and off",
+            _add_bench_invariance_args,
+            run_bench_invariance,
+        ),
+        (
+            benches,
             "model-fit",
             "cost model's predicted speedup vs measured, by category, k and batch",
             _add_model_fit_args,
@@ -269,6 +276,16 @@ def _add_bench_plain_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=48, help="tokens generated per request")
     parser.add_argument("--batches", default="1,4,16,64", help="comma-separated batch sizes")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of ours vs generate")
+    parser.add_argument("--json", action="store_true", help="print the results as one JSON object")
+    _add_model_args(parser)
+    _add_quantize_flag(parser)
+
+
+def _add_bench_invariance_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--prompts", type=int, default=2, help="held-out prompts per category")
+    parser.add_argument("--max-tokens", type=int, default=32, help="tokens generated per request")
+    parser.add_argument("--batches", default="2,4,8", help="comma-separated batch sizes rows are decoded in")
+    parser.add_argument("--drafter", default="ngram", choices=KINDS, help="the speculative loop's drafter")
     parser.add_argument("--json", action="store_true", help="print the results as one JSON object")
     _add_model_args(parser)
     _add_quantize_flag(parser)
@@ -497,6 +514,23 @@ def run_bench_plain(args: argparse.Namespace) -> int:
     )
     _quiet_model_loading()
     report = run_bench_plain(config)
+    print(report.model_dump_json(indent=2) if args.json else render_report(report))
+    return 0
+
+
+def run_bench_invariance(args: argparse.Namespace) -> int:
+    from profiler.bench_invariance import BenchInvarianceConfig, render_report, run_bench_invariance
+
+    config = BenchInvarianceConfig(
+        **_model_fields(args),
+        quantize=args.quantize,
+        prompts_per_category=args.prompts,
+        max_tokens=args.max_tokens,
+        batch_sizes=_int_list(args.batches, "--batches"),
+        drafter=args.drafter,
+    )
+    _quiet_model_loading()
+    report = run_bench_invariance(config)
     print(report.model_dump_json(indent=2) if args.json else render_report(report))
     return 0
 

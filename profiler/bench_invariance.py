@@ -1,0 +1,145 @@
+"""`specroute bench invariance`: does a request's greedy output depend on how it was computed? On
+the held-out prompts, in the target's dtype on this machine, with width-invariant passes on and
+off: speculative against plain decoding at batch 1 (what "lossless" promises), and a row decoded
+among others against the same row decoded alone (batch invariance), plain and speculative; plus
+what the plain loop decodes per second alone in each mode, so the tiles' cost sits beside what
+they buy."""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, Field
+from tqdm import tqdm
+
+from backends.generation import GenerationRequest
+from backends.scheduler import LoopSettings, Scheduler
+from backends.speculative.engine import SpeculativeEngine
+from backends.speculative.factory import build_drafter
+from policies.drafters import DrafterConfig, DrafterKind
+
+from .hardware import MachineInfo, machine_info
+from .settings import BenchTarget, load_target
+from .workloads import load_prompt_set
+
+Mode = Literal["on", "off"]
+
+
+class BenchInvarianceConfig(BenchTarget):
+    prompts_per_category: int = Field(2, ge=1, le=7, description="held-out prompts per category")
+    max_tokens: int = Field(32, ge=1, le=1024)
+    batch_sizes: list[Annotated[int, Field(ge=2)]] = Field(default_factory=lambda: [2, 4, 8], min_length=1)
+    drafter: DrafterKind = "ngram"
+
+
+class Agreement(BaseModel):
+    width_invariant: Mode
+    compared: str = Field(description="which outputs face which")
+    batch_size: int
+    prompts: int
+    identical: int = Field(description="prompts whose greedy tokens agree token for token")
+
+
+class PlainSpeed(BaseModel):
+    width_invariant: Mode
+    tile: int | None = Field(description="positions per decode pass (None: natural widths)")
+    tokens_per_s: float = Field(description="the plain loop, one request at a time")
+
+
+class BenchInvarianceReport(BaseModel):
+    machine: MachineInfo
+    model: dict[str, object]
+    drafter: str
+    agreements: list[Agreement]
+    speeds: list[PlainSpeed]
+
+
+def run_bench_invariance(config: BenchInvarianceConfig) -> BenchInvarianceReport:
+    loaded = load_target(config)
+    requests = [
+        GenerationRequest(messages=p.messages, max_tokens=config.max_tokens)
+        for category in load_prompt_set("heldout").categories.values()
+        for p in category.prompts[: config.prompts_per_category]
+    ]
+    drafter = build_drafter(DrafterConfig(kind=config.drafter), loaded)
+    agreements, speeds = [], []
+    runs = 2 * len(requests) * (2 + 2 * len(config.batch_sizes))
+    with tqdm(total=runs, desc="bench invariance", unit="request", leave=False) as bar:
+        for mode in ("on", "off"):
+            settings = LoopSettings(width_invariant=mode)
+            plain = Scheduler(loaded, settings)
+            speculative = SpeculativeEngine(loaded, drafter.fresh(), k="auto", settings=settings)
+            found, speed = _compare(mode, plain, speculative, requests, config.batch_sizes, bar)
+            agreements += found
+            speeds.append(PlainSpeed(width_invariant=mode, tile=plain.tile, tokens_per_s=speed))
+    return BenchInvarianceReport(
+        machine=machine_info(),
+        model=loaded.info.as_dict(),
+        drafter=drafter.name,
+        agreements=agreements,
+        speeds=speeds,
+    )
+
+
+def _compare(
+    mode: Mode,
+    plain: Scheduler,
+    speculative: SpeculativeEngine,
+    requests: list[GenerationRequest],
+    batch_sizes: list[int],
+    bar: tqdm,
+) -> tuple[list[Agreement], float]:
+    """Every comparison in one mode, each against the plain loop's outputs alone; and the plain
+    loop's tokens per second alone."""
+    started, alone = time.perf_counter(), _one_by_one(plain, requests, bar)
+    speed = sum(len(t) for t in alone) / (time.perf_counter() - started)
+
+    def agreement(compared: str, batch: int, outputs: list[list[int]]) -> Agreement:
+        same = sum(a == b for a, b in zip(alone, outputs, strict=True))
+        return Agreement(width_invariant=mode, compared=compared, batch_size=batch, prompts=len(alone), identical=same)
+
+    found = [agreement("speculative vs plain", 1, _one_by_one(speculative, requests, bar))]
+    for size in batch_sizes:
+        found.append(agreement("plain batched vs plain alone", size, _batched(plain, requests, size, bar)))
+        found.append(agreement("speculative batched vs plain alone", size, _batched(speculative, requests, size, bar)))
+    return found, speed
+
+
+def _one_by_one(loop: Scheduler, requests: list[GenerationRequest], bar: tqdm) -> list[list[int]]:
+    outputs = []
+    for request in requests:
+        outputs.append(loop.generate([request])[0].token_ids)
+        bar.update()
+    return outputs
+
+
+def _batched(loop: Scheduler, requests: list[GenerationRequest], size: int, bar: tqdm) -> list[list[int]]:
+    """The requests in consecutive groups of `size`, each group one static batch from the start."""
+    outputs = []
+    for first in range(0, len(requests), size):
+        group = requests[first : first + size]
+        outputs += [r.token_ids for r in loop.generate(group)]
+        bar.update(len(group))
+    return outputs
+
+
+def render_report(report: BenchInvarianceReport) -> str:
+    m = report.model
+    lines = [
+        f"specroute bench invariance — {m['name']} ({m['dtype']}, {m['device']}) on {report.machine.cpu}, "
+        f"{report.machine.torch_threads} torch threads; greedy; drafter {report.drafter} (auto k)",
+        "",
+        "  width-invariant  compared                              batch  identical",
+    ]
+    lines += [
+        f"  {a.width_invariant:15s}  {a.compared:36s}  {a.batch_size:5d}  {a.identical:3d} of {a.prompts}"
+        for a in report.agreements
+    ]
+    lines += ["", "plain loop, one request at a time:"]
+    lines += [
+        f"  width-invariant {s.width_invariant:3s} ({'tile ' + str(s.tile) if s.tile else 'natural widths'}): "
+        f"{s.tokens_per_s:.1f} tok/s"
+        for s in report.speeds
+    ]
+    return "\n".join(lines)
