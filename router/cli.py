@@ -286,7 +286,8 @@ def _add_bench_invariance_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=32, help="tokens generated per request")
     parser.add_argument("--batches", default="2,4,8", help="comma-separated batch sizes rows are decoded in")
     parser.add_argument("--drafter", default="ngram", choices=KINDS, help="the speculative loop's drafter")
-    parser.add_argument("--json", action="store_true", help="print the results as one JSON object")
+    parser.add_argument("--out", default="bench-invariance.json", help="where the JSON results go ('-' for none)")
+    parser.add_argument("--json", action="store_true", help="print the JSON instead of the tables")
     _add_model_args(parser)
     _add_quantize_flag(parser)
 
@@ -531,8 +532,7 @@ def run_bench_invariance(args: argparse.Namespace) -> int:
     )
     _quiet_model_loading()
     report = run_bench_invariance(config)
-    print(report.model_dump_json(indent=2) if args.json else render_report(report))
-    return 0
+    return _print_report(args, report, render_report)
 
 
 def run_bench_spec(args: argparse.Namespace) -> int:
