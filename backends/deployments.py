@@ -54,7 +54,11 @@ class BackendSettings(LoopSettings):
     and how its step loop schedules."""
 
     model: str = Field("embedded", description="'embedded', a local directory, a .gguf file or a HF id")
-    dtype: Literal["float32", "bfloat16"] = "float32"
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto",
+        description="the target's dtype; auto: the service picks the exact dtype this machine's profiles say is "
+        "faster (policies.serving_dtype) before any replica starts",
+    )
     device: Literal["cpu", "cuda"] = "cpu"
     threads: int = Field(1, ge=1, le=256, description="torch threads per replica")
     batch_wait_ms: float = Field(20.0, ge=0, le=10_000, description="static baseline only: how long a batch waits")
@@ -82,6 +86,8 @@ class _Backend:
     def __init__(self, settings: dict[str, Any]):
         self.settings = BackendSettings.model_validate(settings)
         s = self.settings
+        if s.dtype == "auto":  # resolved by the app builder (router.service.resolve_dtype)
+            raise ModelLoadError("a backend replica needs its dtype decided: float32 or bfloat16, not auto")
         self.loaded = load_model(s.model, dtype=s.dtype, device=s.device, threads=s.threads)
         self.static: EngineQueue | None = None
         self.static_drafters: dict[int, str | None] = {}

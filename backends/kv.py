@@ -18,7 +18,10 @@ the same token decoded alone. With a tile W, every pass that decodes or verifies
 key columns are whole attention splits (`ATTENTION_SPLIT`: the CPU flash-attention kernel's key
 block, so a key block's reduction never depends on how many masked columns follow). A token's
 logits are then the same bits whether it was decoded alone or verified in a block. Only the real
-positions' logits are computed: the LM head's rows do not depend on how many rows it has.
+positions' logits are computed: the LM head's rows do not depend on how many rows it has. With
+`tile_rows`, only passes of at most that many sequences are tiled: a W-wide pass costs W times the
+compute, which a lone sequence's memory-bound pass hides and a large batch's compute-bound one
+does not; bigger passes run at natural widths.
 
 Memory is bounded: the pool grows by doubling up to `max_tokens` and never past it (one layer
 at a time, so growing holds at most one layer's pools twice); `reserve` lets a scheduler admit
@@ -78,11 +81,13 @@ class PagedCache:
         block_tokens: int = BLOCK_TOKENS,
         feature_layers: Sequence[int] = (),
         tile: int | None = None,
+        tile_rows: int | None = None,
     ):
         """`max_tokens`: the most tokens (over all sequences) the pool may ever hold. With
         `feature_layers`, every forward also keeps those hidden states (see `features`). With
         `tile`, passes are width-invariant (see the module docstring): every pass that keeps all
-        positions' logits runs `tile` positions wide."""
+        positions' logits runs `tile` positions wide — every pass of at most `tile_rows` sequences
+        (None: every pass)."""
         check_full_attention(model)
         config = model.config
         self.model = model
@@ -90,6 +95,7 @@ class PagedCache:
         self.max_blocks = max(2, math.ceil(max_tokens / block_tokens) + 1)  # + the scratch block
         self.feature_layers = tuple(feature_layers)
         self.tile = tile
+        self.tile_rows = tile_rows
         self.hidden_states: dict[int, torch.Tensor] = {}
         parameter = next(model.parameters())
         self.device, self.dtype = parameter.device, _cache_dtype(model)
@@ -171,7 +177,8 @@ class PagedCache:
         like the padded block (B, W, …), e.g. the features an EAGLE head reads."""
         counts = [len(b) for b in blocks]
         width = max(max(counts, default=1), 1) if width is None else width
-        if self.tile is not None and keep == "all":
+        tiled = self.tiles(len(seqs))
+        if tiled and keep == "all":
             width = max(width, self.tile)
             if width > self.tile:
                 raise ValueError(f"a width-invariant pass is {self.tile} positions wide; {width} were asked for")
@@ -184,9 +191,9 @@ class PagedCache:
         input_ids = torch.zeros((len(seqs), width), dtype=torch.long)
         for row, block in enumerate(blocks):
             input_ids[row, : len(block)] = torch.tensor(list(block), dtype=torch.long)
-        positions, mask = self._plan(seqs, starts, counts, width)
+        positions, mask = self._plan(seqs, starts, counts, width, tiled)
         logits_to_keep: int | torch.Tensor = width
-        if self.tile is not None:  # padding's logits are never read
+        if tiled:  # padding's logits are never read
             logits_to_keep = torch.arange(max(max(counts, default=1), 1), device=self.device)
         columns = None
         if keep == "last":
@@ -247,14 +254,18 @@ class PagedCache:
             self.values = [grown(None) for _ in range(self.layers)]
         self.free.extend(range(max(old, 1), blocks))
 
+    def tiles(self, rows: int) -> bool:
+        """Whether a pass over `rows` sequences is width-invariant."""
+        return self.tile is not None and (self.tile_rows is None or rows <= self.tile_rows)
+
     def _plan(
-        self, seqs: Sequence[int], starts: list[int], counts: list[int], width: int
+        self, seqs: Sequence[int], starts: list[int], counts: list[int], width: int, tiled: bool
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Positions (B, W) and the boolean attention mask (B, 1, W, T); sets up `update`."""
         bs = self.block_tokens
         batch = len(seqs)
         columns = max(max(s + c for s, c in zip(starts, counts, strict=True)), 1)
-        split = bs if self.tile is None else ATTENTION_SPLIT
+        split = ATTENTION_SPLIT if tiled else bs
         columns = math.ceil(columns / split) * split
         start = torch.tensor(starts, dtype=torch.long).unsqueeze(1)
         count = torch.tensor(counts, dtype=torch.long).unsqueeze(1)

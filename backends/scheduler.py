@@ -48,6 +48,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from policies.cost_model import RowOutlook, plan_step
 from policies.profile import AcceptanceMap, CostCurve
+from policies.quantization import REDUCED_PRECISION
 
 from .errors import RequestError
 from .generation import GenerationRequest, GenerationResult, SequenceState, TokenListener, listener_for
@@ -67,7 +68,10 @@ K_LIMIT = 32
 # Measured on a 2-core AMD EPYC in bfloat16 (README): a pass costs more the wider it is, so the
 # default tile is the narrowest that verifies the default k_max of 8.
 DEFAULT_TILE_WIDTH = 9
-REDUCED_PRECISION = ("bfloat16", "float16")
+# Measured there too (1 thread, 192 cached tokens): a 9-wide tile costs 1.3× a 1-wide pass alone,
+# 2.4× at batch 2 and 3.7× at batch 32 (compute-bound), so by default only a lone sequence's passes
+# are tiled — what keeps speculative output equal to plain output at batch 1.
+DEFAULT_TILE_MAX_ROWS = 1
 MIN_PREFILL_TOKENS = 16  # a step always prefills at least this much, however busy decoding is
 FailureListener = Callable[[BaseException], None]
 
@@ -88,8 +92,14 @@ class LoopSettings(BaseModel):
     )
     width_invariant: Literal["auto", "on", "off"] = Field(
         "auto",
-        description="run every decode and verify pass tile_width positions wide, so speculative output equals "
+        description="run decode and verify passes tile_width positions wide, so speculative output equals "
         "plain output bit for bit in reduced precision ('auto': on for bfloat16 and float16 targets)",
+    )
+    tile_max_rows: int | None = Field(
+        DEFAULT_TILE_MAX_ROWS,
+        ge=1,
+        description="width-invariant passes are those of at most this many sequences (null: every pass); larger "
+        "batches run at natural widths, where a tile's extra positions cost real compute",
     )
     tile_width: int = Field(
         DEFAULT_TILE_WIDTH,
@@ -104,9 +114,14 @@ class LoopSettings(BaseModel):
         return self.kv_cache_tokens or self.max_batch * 2048
 
     def tile(self, dtype: str) -> int | None:
-        """The pass width every target pass runs at for a target in `dtype`, or None (natural widths)."""
+        """The width tiled target passes run at for a target in `dtype`, or None (natural widths);
+        which passes are tiled: `tile_max_rows`."""
         on = self.width_invariant == "on" or (self.width_invariant == "auto" and dtype in REDUCED_PRECISION)
         return self.tile_width if on else None
+
+    def tiles(self, dtype: str, rows: int) -> bool:
+        """Whether a pass over `rows` sequences of a target in `dtype` is width-invariant."""
+        return self.tile(dtype) is not None and (self.tile_max_rows is None or rows <= self.tile_max_rows)
 
 
 @dataclass
@@ -201,7 +216,13 @@ class Scheduler:
                 f"{self.tile} wide: lower k (or k_max), or raise tile_width for every backend of this target"
             )
         layers = sorted({i for d in drafters for i in d.feature_layers})
-        self.cache = PagedCache(self.model, self.settings.cache_tokens, feature_layers=layers, tile=self.tile)
+        self.cache = PagedCache(
+            self.model,
+            self.settings.cache_tokens,
+            feature_layers=layers,
+            tile=self.tile,
+            tile_rows=self.settings.tile_max_rows,
+        )
         self.costs = costs if costs is not None or not drafters else step_costs(loaded, self.k_max + 1, self.settings)
         if self.costs is not None and self.costs.max_width < self.k_max + 1:
             raise ValueError(f"the step-cost table covers widths up to {self.costs.max_width}, need {self.k_max + 1}")
@@ -737,10 +758,13 @@ def _backlog(drafter: Drafter, rows: list[Row]) -> int:
 def step_costs(loaded: LoadedModel, max_width: int, settings: LoopSettings | None = None) -> StepCosts:
     """A step-cost table for this target, probed per batch bucket on first use, through passes
     shaped as the loop with these settings runs them (width-invariant or not)."""
-    tile = (settings or LoopSettings()).tile(loaded.info.dtype)
+    loop = settings or LoopSettings()
+    dtype = loaded.info.dtype
 
     def probe(batch: int, widths: Sequence[int]) -> dict[int, float]:
-        return measure_step_times(loaded.model, batch, widths, tile=tile)
+        return measure_step_times(
+            loaded.model, batch, widths, tile=loop.tile(dtype) if loop.tiles(dtype, batch) else None
+        )
 
     return StepCosts(probe, max_width=max_width)
 

@@ -19,7 +19,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from .errors import UserError
-from .quantization import WeightOnlyMethod
+from .quantization import REDUCED_PRECISION, WeightOnlyMethod
 
 
 class DrafterSpec(BaseModel):
@@ -148,10 +148,11 @@ class DrafterConfig(BaseModel):
     ngram_max: int = Field(4, ge=1, le=16, description="longest suffix n-gram prompt lookup tries")
     ngram_min: int = Field(2, ge=1, le=16, description="shortest suffix n-gram prompt lookup accepts")
     draft_model: str = Field("embedded", description="the draft model: 'embedded', a directory, a .gguf or a HF id")
-    draft_dtype: Literal["float32", "bfloat16", WeightOnlyMethod] = Field(
-        "bfloat16",
+    draft_dtype: Literal["auto", "float32", "bfloat16", WeightOnlyMethod] = Field(
+        "auto",
         description="dtype of a draft model or of trained heads; a draft model may also run weight-only quantized "
-        "(int8-weight-only, int4-weight-only: loaded in float32, then quantized)",
+        "(int8-weight-only, int4-weight-only: loaded in float32, then quantized). auto: bfloat16, except a draft "
+        "model under a bfloat16/float16 target, which runs weight-only quantized (the method its weights fit)",
     )
     exit_layer: int = Field(4, ge=1, description="how many of the target's layers the untrained early exit uses")
     weights: str = Field(
@@ -166,6 +167,17 @@ class DrafterConfig(BaseModel):
         if self.ngram_min > self.ngram_max:
             raise ValueError(f"ngram_min ({self.ngram_min}) must not exceed ngram_max ({self.ngram_max})")
         return self
+
+    def draft_dtype_under(self, target_dtype: str) -> str | None:
+        """`draft_dtype` for a target in `target_dtype`, 'auto' resolved: bfloat16, except for a draft
+        model under a reduced-precision target, where a bfloat16 copy would cost what the target does:
+        None there, meaning weight-only quantized by the method the weights fit (decided where the
+        weights are)."""
+        if self.draft_dtype != "auto":
+            return self.draft_dtype
+        if self.kind == "model" and target_dtype in REDUCED_PRECISION:
+            return None
+        return "bfloat16"
 
     def of(self, kind: str) -> DrafterConfig:
         """These options for another kind."""

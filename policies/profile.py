@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from .drafters import DrafterKind
 from .errors import UserError
-from .quantization import WEIGHT_ONLY
+from .quantization import REDUCED_PRECISION, WEIGHT_ONLY
 
 PROFILE_VERSION = 1
 
@@ -243,6 +243,21 @@ class ModelSummary(_Frozen):
     kv_bytes_per_token: int | None = Field(
         None, ge=0, description="KV-cache bytes one cached token takes, keys and values over every layer"
     )
+    tile_width: int | None = Field(
+        None,
+        ge=1,
+        description="the width every decode and verify pass ran at (width-invariant passes: speculative output "
+        "equals plain output at batch 1 in this dtype); None: natural widths",
+    )
+    tile_max_rows: int | None = Field(
+        None, ge=1, description="with tile_width: passes of more sequences than this ran at natural widths"
+    )
+
+    @property
+    def exact_at_batch_one(self) -> bool:
+        """Whether speculative greedy output equals plain output at batch 1 in this dtype: float32's
+        kernels give a token the same logits at any pass width here; reduced precision needs tiles."""
+        return self.dtype not in REDUCED_PRECISION or self.tile_width is not None
 
 
 class DrafterName(_Frozen):
@@ -264,14 +279,15 @@ class AcceptanceSeed(_Frozen):
     so that a first start measures only this machine's cost curves: greedy acceptance (α and ρ per
     category, drafter and prompt) and the int8 model's agreement. Greedy tokens in float32 depend
     on the model and drafter, not on the machine (another CPU's kernels can flip a near-tie, rarely),
-    so these are used only for the model whose fingerprint they carry, in float32, and the service
-    keeps refining α online as it always does."""
+    so these are used only for the model whose fingerprint they carry, in the dtype they were
+    measured in, and the service keeps refining α online as it always does. A bfloat16 seed's
+    tokens depend more on the machine (its kernels round differently), its α per category little."""
 
     version: Literal[1] = PROFILE_VERSION
     created: datetime
     model: str = Field(description="the target's name")
     fingerprint: str = Field(description="the target's fingerprint (backends.models.weights_fingerprint)")
-    dtype: Literal["float32"] = "float32"
+    dtype: Literal["float32", "bfloat16"] = "float32"
     machine: dict[str, str | int | float | None] = Field(description="where it was measured")
     libraries: dict[str, str]
     settings: dict[str, object] = Field(description="the acceptance settings it was measured with")

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 from typing import Literal, get_args
 
+# Target dtypes that move half float32's bytes, whose passes are width-invariant by default (their
+# kernels' reduction order changes with a pass's width, float32's here does not).
+REDUCED_PRECISION: tuple[str, ...] = ("bfloat16", "float16")
 WeightOnlyMethod = Literal["int8-weight-only", "int4-weight-only"]
 QuantMethod = Literal["int8-weight-only", "int4-weight-only", "smoothquant", "smoothquant-fp32-down", "dynamic"]
 QUANT_METHODS: tuple[str, ...] = get_args(QuantMethod)

@@ -23,7 +23,7 @@ from tqdm import tqdm
 from transformers import GenerationConfig
 
 from backends.generation import GenerationRequest, GenerationResult
-from backends.models import LoadedModel
+from backends.models import LoadedModel, load_model
 from backends.plain import PlainEngine
 from backends.scheduler import LoopSettings, Scheduler
 from backends.speculative.control import StepCosts
@@ -40,6 +40,7 @@ from .workloads import PromptSetName, load_prompt_set
 
 PLAIN = "plain"
 NATURAL_WIDTHS = "plain, natural widths"
+FLOAT32 = "plain, float32"  # the float32 plain backend: what a reduced-precision target must beat
 
 
 class BenchSpecConfig(BenchTarget):
@@ -125,6 +126,10 @@ class BenchSpecReport(BaseModel):
     auto_versus_best_fixed: dict[str, dict[str, float]] = Field(
         default_factory=dict, description="per drafter and category: auto k's tokens/s over the best fixed k's"
     )
+    geomean_over_float32: dict[str, float] = Field(
+        default_factory=dict,
+        description="reduced precision: each configuration's speedup over the float32 plain loop (geometric mean)",
+    )
 
 
 @dataclass
@@ -171,8 +176,14 @@ def _runners(
     if LoopSettings().tile(loaded.info.dtype) is not None:
         # Reduced precision: the exact reference is the plain step loop, width-invariant as the plain
         # backend serves it; plain decoding at natural widths runs beside it, for its speed and its drift.
+        # And the float32 plain backend's loop, the exact reference a reduced precision competes with.
         loop = Scheduler(loaded)
-        runners = {PLAIN: lambda r: loop.generate([r])[0], NATURAL_WIDTHS: runners[PLAIN]}
+        reference = Scheduler(load_model(config.model, "float32", config.device, config.threads))
+        runners = {
+            PLAIN: lambda r: loop.generate([r])[0],
+            NATURAL_WIDTHS: runners[PLAIN],
+            FLOAT32: lambda r: reference.generate([r])[0],
+        }
     pairs: dict[str, str] = {}
     autos: dict[str, SpeculativeEngine] = {}
     scores: list[CalibrationScore] = []
@@ -361,6 +372,9 @@ def _report(
         geomean_versus_transformers=versus,
         calibration=calibration,
         auto_versus_best_fixed={kind: _auto_over_fixed(kind, config, results) for kind in config.drafters},
+        geomean_over_float32={n: g / geomean[FLOAT32] for n, g in geomean.items() if n != FLOAT32}
+        if FLOAT32 in geomean
+        else {},
     )
 
 
@@ -402,6 +416,17 @@ def render_report(report: BenchSpecReport) -> str:
     lines += ["", "geometric mean over categories — speedup over plain:"]
     lines += [f"  {name:28} {value:6.2f}×" for name, value in report.geomean_speedup.items()]
     lines += [f"  {name}: {value:.2f}×" for name, value in report.geomean_versus_transformers.items()]
+    if report.geomean_over_float32:
+        exact = {r.name for c in report.categories for r in c.runs}
+        exact -= {r.name for c in report.categories for r in c.runs if not r.identical}
+        lines += [
+            "",
+            "geometric mean over categories — speedup over the float32 plain loop (exact: same tokens as plain):",
+        ]
+        lines += [
+            f"  {name:28} {value:6.2f}×{'  exact' if name in exact else ''}"
+            for name, value in report.geomean_over_float32.items()
+        ]
     if report.auto_versus_best_fixed:
         lines += ["", "auto k over the best fixed k, per category (tokens/s):"]
         for kind, ratios in report.auto_versus_best_fixed.items():

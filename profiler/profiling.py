@@ -70,6 +70,7 @@ PREFILL_ENOUGH_S = 3.0
 SEEDS_DIR = Path(__file__).parent / "defaults"
 # What the shipped acceptance must have been measured with to stand in for a measurement now.
 SEED_SETTINGS = ("acceptance_k", "max_tokens", "categories", "prompts_per_category")
+SEED_DTYPES = ("float32", "bfloat16")  # the dtypes the service serves the embedded default in
 TIMING_PROMPTS = 2  # per category, in the short run that times each drafter when acceptance ships
 TIMING_TOKENS = 24
 
@@ -205,9 +206,11 @@ def all_cores() -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
-def seed_path(model_name: str, folder: Path | None = None) -> Path:
-    """Where the acceptance shipped for a model lives (in the package unless `folder` says otherwise)."""
-    return (folder or SEEDS_DIR) / f"{model_name.lower()}.json"
+def seed_path(model_name: str, folder: Path | None = None, dtype: str = "float32") -> Path:
+    """Where the acceptance shipped for a model in a dtype lives (in the package unless `folder`
+    says otherwise)."""
+    suffix = "" if dtype == "float32" else f".{dtype}"
+    return (folder or SEEDS_DIR) / f"{model_name.lower()}{suffix}.json"
 
 
 def usable_seed(loaded: LoadedModel, config: ProfileConfig, log: Callable[[str], None]) -> AcceptanceSeed | None:
@@ -215,7 +218,7 @@ def usable_seed(loaded: LoadedModel, config: ProfileConfig, log: Callable[[str],
     None means measure. `acceptance: shipped` turns a misfit into an error."""
     if config.acceptance == "measure":
         return None
-    path = seed_path(loaded.info.name)
+    path = seed_path(loaded.info.name, dtype=loaded.info.dtype)
     seed = AcceptanceSeed.load(path) if path.is_file() else None
     problem = _seed_problem(seed, loaded, config)
     if problem is None:
@@ -244,9 +247,22 @@ def _seed_problem(seed: AcceptanceSeed | None, loaded: LoadedModel, config: Prof
 def seed_fits(seed: AcceptanceSeed, config: ProfileConfig, kind: str, name: str) -> bool:
     """The seed holds this drafter, built with the same options."""
     shipped = seed.settings.get("drafter")
-    asked = config.drafter.model_dump(mode="json")
-    same = isinstance(shipped, dict) and all(shipped.get(o) == asked[o] for o in spec(kind).options)
-    return same and any(d.name == name for d in seed.drafters)
+    if not isinstance(shipped, dict):
+        return False
+    try:
+        shipped_config = DrafterConfig.model_validate({**shipped, "kind": kind})
+    except ValueError:  # options of an older specroute
+        return False
+    # Compared as the seed's target ran them: a draft dtype of auto is what it resolved to there.
+    ran, asked = (_options(c.of(kind), seed.dtype) for c in (shipped_config, config.drafter))
+    return ran == asked and any(d.name == name for d in seed.drafters)
+
+
+def _options(config: DrafterConfig, target_dtype: str) -> dict[str, object]:
+    options = {o: getattr(config, o) for o in spec(config.kind).options}
+    if "draft_dtype" in options:
+        options["draft_dtype"] = config.draft_dtype_under(target_dtype)
+    return options
 
 
 def timed_seed(
@@ -274,19 +290,20 @@ def timed_seed(
 
 
 def write_seed(profile: Profile, path: Path | None = None) -> Path:
-    """The machine-independent half of a fully measured float32 profile of the embedded default,
-    as the acceptance that ships with specroute."""
+    """The machine-independent half of a fully measured profile of the embedded default (float32
+    or bfloat16), as the acceptance that ships with specroute for that dtype."""
     model = profile.model
-    if model.name != EMBEDDED_NAME or model.dtype != "float32" or model.fingerprint is None:
+    if model.name != EMBEDDED_NAME or model.dtype not in SEED_DTYPES or model.fingerprint is None:
         raise ProfileError(
-            f"acceptance ships only for the embedded default in float32 (this is {model.name} in "
-            f"{model.dtype}): any other model is profiled in full on its machine"
+            f"acceptance ships only for the embedded default in {' or '.join(SEED_DTYPES)} (this is {model.name} "
+            f"in {model.dtype}): any other model is profiled in full on its machine"
         )
     if profile.acceptance_source != "measured":
         raise ProfileError("--ship-acceptance needs acceptance measured in this run: add --acceptance measure")
     seed = AcceptanceSeed(
         created=profile.created,
         model=model.name,
+        dtype=model.dtype,
         fingerprint=model.fingerprint,
         machine=profile.machine,
         libraries=profile.libraries,
@@ -296,7 +313,7 @@ def write_seed(profile: Profile, path: Path | None = None) -> Path:
         samples=list(profile.samples),
         quality=shipped_quality(profile),
     )
-    target = path or seed_path(model.name)
+    target = path or seed_path(model.name, dtype=model.dtype)
     seed.save(target)
     return target
 
@@ -362,15 +379,20 @@ def measure_curve(
 ) -> CostCurve:
     """Fastest of `repeats` pass times for every batch × width, `context_tokens` cached per sequence,
     through passes shaped as the step loop runs them in this dtype (width-invariant in reduced
-    precision: then every width up to the tile costs one tile-wide pass)."""
-    context, repeats = config.context_tokens, config.repeats
-    tile = LoopSettings().tile(loaded.info.dtype)
+    precision at the batches the loop tiles: there every width up to the tile costs one tile-wide
+    pass)."""
+    context, repeats, loop, dtype = config.context_tokens, config.repeats, LoopSettings(), loaded.info.dtype
+    tile = loop.tile(dtype)
     if tile is not None and max(widths) > tile:
         raise ProfileError(
-            f"{loaded.info.dtype} passes are width-invariant, {tile} positions wide: profile with max_width ≤ {tile}"
+            f"{dtype} passes are width-invariant, {tile} positions wide: profile with max_width ≤ {tile}"
         )
     rows = [
-        list(measure_step_times(loaded.model, b, widths, context, repeats, config.enough_s, tile).values())
+        list(
+            measure_step_times(
+                loaded.model, b, widths, context, repeats, config.enough_s, tile if loop.tiles(dtype, b) else None
+            ).values()
+        )
         for b in tqdm(config.batches, desc=label, unit="batch", disable=not progress)
     ]
     return CostCurve(batches=list(config.batches), widths=list(widths), seconds=rows)
@@ -532,4 +554,6 @@ def _model_summary(loaded: LoadedModel) -> ModelSummary:
         threads=torch.get_num_threads(),
         fingerprint=loaded.fingerprint,
         kv_bytes_per_token=kv_bytes_per_token(loaded.model),
+        tile_width=LoopSettings().tile(info.dtype),
+        tile_max_rows=LoopSettings().tile_max_rows,
     )

@@ -14,6 +14,7 @@ from backends.plain import prompt_ids
 from policies.config import PolicyConfig
 from policies.policy import AlphaInput, Decision, LoadSnapshot, RequestFeatures, decide
 from policies.profile import Profile, ProfileError
+from policies.serving_dtype import DtypeChoice
 from profiler.predictor import AlphaPredictor
 
 
@@ -102,6 +103,7 @@ class Advice(BaseModel):
     features: RequestFeatures
     profile: str = Field(description="when and on what the profile was measured")
     backends: list[BackendSummary] = Field(default_factory=list, description="each backend's weights and quality")
+    dtype: DtypeChoice | None = Field(None, description="the dtype the target serves in, and why")
 
 
 def request_features(
@@ -137,13 +139,25 @@ def request_features(
     return RequestFeatures(prompt_tokens=tokens, max_tokens=max_tokens, category=category, alphas=alphas)
 
 
-def advise(features: RequestFeatures, concurrency: int, profile: Profile, config: PolicyConfig) -> Advice:
+def advise(
+    features: RequestFeatures,
+    concurrency: int,
+    profile: Profile,
+    config: PolicyConfig,
+    dtype: DtypeChoice | None = None,
+) -> Advice:
     # Everything else in flight counts toward the load: every backend shares this machine.
     load = LoadSnapshot(in_flight={"other": concurrency - 1})
-    return to_advice(decide(features, load, profile, config), features, profile, config)
+    return to_advice(decide(features, load, profile, config), features, profile, config, dtype)
 
 
-def to_advice(decision: Decision, features: RequestFeatures, profile: Profile, config: PolicyConfig) -> Advice:
+def to_advice(
+    decision: Decision,
+    features: RequestFeatures,
+    profile: Profile,
+    config: PolicyConfig,
+    dtype: DtypeChoice | None = None,
+) -> Advice:
     m = profile.model
     return Advice(
         backend=decision.backend,
@@ -160,6 +174,7 @@ def to_advice(decision: Decision, features: RequestFeatures, profile: Profile, c
         features=features,
         profile=f"{m.name} {m.dtype} on {profile.machine.get('cpu')}, measured {profile.created:%Y-%m-%d %H:%M} UTC",
         backends=backend_summaries(profile),
+        dtype=dtype,
     )
 
 
@@ -191,9 +206,28 @@ def render_advice(advice: Advice) -> str:
         where = f"from concurrency {b}" if b is not None else f"at any concurrency up to {top}"
         lines.append(f"  speculation with {drafter} on this request stops beating plain decoding {where}")
     lines += ["", *render_backends(advice.backends), "", f"profile: {advice.profile}"]
+    if advice.dtype is not None:
+        lines += ["", *render_dtype(advice.dtype)]
     return "\n".join(lines)
 
 
 def _mean_prompt_tokens(profile: Profile, category: str) -> int:
     lengths = [s.prompt_tokens for s in profile.samples if s.category == category]
     return round(sum(lengths) / len(lengths)) if lengths else 1
+
+
+def render_dtype(choice: DtypeChoice) -> list[str]:
+    """Which dtype serves, why, and each profiled dtype's predicted speeds."""
+    how = "picked from this machine's profiles" if choice.source == "measured" else "as configured"
+    lines = [f"dtype: {choice.dtype} ({how})", f"  why: {choice.reason}"]
+    if choice.outlooks:
+        lines.append(
+            f"  {'dtype':9} {'exact':5} {'tile':>4} {'step ms':>8} {'plain tok/s':>11} {'best tok/s':>10}  large batch"
+        )
+    for o in choice.outlooks:
+        lines.append(
+            f"  {o.dtype:9} {'yes' if o.exact else 'no':5} {o.tile_width or '—':>4} {o.step_ms:8.1f} "
+            f"{o.plain_tokens_per_s:11.1f} {o.best_tokens_per_s:10.1f}  "
+            f"{o.batch_tokens_per_s:.0f} tok/s at batch {o.batch}"
+        )
+    return lines

@@ -113,7 +113,12 @@ def create_app(model_id: str, api_key: str | None = None) -> FastAPI:
         _authorize(request)
         entry = {"id": _setting(request, "model_id"), "object": "model", "created": 0, "owned_by": "specroute"}
         # specroute's own field: what each backend holds in memory and the quantized one's measured quality.
-        entry["specroute"] = {"backends": [b.model_dump() for b in backend_summaries(_core(request).profile)]}
+        # And the dtype the target serves in, why, and what each profiled dtype was predicted to do.
+        core = _core(request)
+        entry["specroute"] = {
+            "backends": [b.model_dump() for b in backend_summaries(core.profile)],
+            "dtype": core.dtype_choice.model_dump(mode="json"),
+        }
         return {"object": "list", "data": [entry]}
 
     @app.post("/v1/chat/completions", response_model=None)
@@ -363,7 +368,7 @@ def _advise(request: Request, body: AdviseRequest) -> dict[str, Any]:
         decision, features = core.decide(prepared, extra_load=max(extra, 0))
     except (RequestError, ValueError) as exc:
         raise ApiError(400, str(exc)) from None
-    return to_advice(decision, features, core.profile, core.policy).model_dump(mode="json")
+    return to_advice(decision, features, core.profile, core.policy, core.dtype_choice).model_dump(mode="json")
 
 
 def _advise_generation(body: AdviseRequest):

@@ -185,14 +185,14 @@ def _add_profile_args(parser: argparse.ArgumentParser) -> None:
         "--acceptance",
         default="auto",
         choices=["auto", "measure", "shipped"],
-        help="auto: take acceptance shipped for this model when it fits (the embedded default in float32), "
-        "else measure it; measure: always; shipped: refuse to measure it",
+        help="auto: take acceptance shipped for this model when it fits (the embedded default in float32 or "
+        "bfloat16), else measure it; measure: always; shipped: refuse to measure it",
     )
     parser.add_argument(
         "--ship-acceptance",
         action="store_true",
         help="also write the measured acceptance and int8 agreement as the ones specroute ships for the embedded "
-        "default (float32 only; implies --acceptance measure)",
+        "default in this dtype (float32 or bfloat16; implies --acceptance measure)",
     )
     parser.add_argument(
         "--quantization",
@@ -213,11 +213,18 @@ def _add_advise_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--concurrency", type=int, default=1, help="requests decoding at once, this one included")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--model", default="embedded", help="the model the profile belongs to")
-    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help=AUTO_DTYPE_HELP)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--profile", help="profile path (default: the model's under SPECROUTE_HOME)")
     parser.add_argument("--policy", help="policy YAML (default: the built-in defaults, as in deploy/policy.yaml)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+DTYPE_CHOICES = ("auto", "float32", "bfloat16")
+AUTO_DTYPE_HELP = (
+    "the target's dtype; auto (default): the exact dtype this machine's profiles predict faster — bfloat16 with "
+    "width-invariant passes where the CPU runs it natively and it wins, else float32"
+)
 
 
 def _add_model_fit_args(parser: argparse.ArgumentParser) -> None:
@@ -242,9 +249,12 @@ def _add_quantize_flag(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _add_model_args(parser: argparse.ArgumentParser) -> None:
+def _add_model_args(parser: argparse.ArgumentParser, dtype: str = "float32") -> None:
     parser.add_argument("--model", default="embedded", help="'embedded', a local directory, a .gguf file or a HF id")
-    parser.add_argument("--dtype", default="float32", help="float32 (exact) or bfloat16")
+    if dtype == "auto":
+        parser.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES, help=AUTO_DTYPE_HELP)
+    else:
+        parser.add_argument("--dtype", default=dtype, help="float32 (exact) or bfloat16")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
 
@@ -333,7 +343,7 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
         help="the quantized backend's method (auto: int4-weight-only for weights on a group-32 4-bit grid, as GGUF "
         "Q4 checkpoints are, else int8-weight-only)",
     )
-    _add_model_args(parser)
+    _add_model_args(parser, dtype="auto")
 
 
 def _add_bench_load_args(parser: argparse.ArgumentParser) -> None:
@@ -559,7 +569,7 @@ def run_bench_spec(args: argparse.Namespace) -> int:
 
 def run_profile(args: argparse.Namespace) -> int:
     from profiler.profile_report import render_profile
-    from profiler.profiling import ProfileConfig, default_profile_path, run_profile, write_seed
+    from profiler.profiling import SEED_DTYPES, ProfileConfig, default_profile_path, run_profile, write_seed
 
     config = ProfileConfig(
         **_model_fields(args),
@@ -575,8 +585,10 @@ def run_profile(args: argparse.Namespace) -> int:
         acceptance="measure" if args.ship_acceptance else args.acceptance,
         quantization=[] if args.quantization == "none" else _str_list(args.quantization),
     )
-    if args.ship_acceptance and (args.model not in ("embedded", "default") or args.dtype != "float32"):
-        raise UsageError("--ship-acceptance is for the embedded default in float32 (--model embedded --dtype float32)")
+    if args.ship_acceptance and (args.model not in ("embedded", "default") or args.dtype not in SEED_DTYPES):
+        raise UsageError(
+            f"--ship-acceptance is for the embedded default in {' or '.join(SEED_DTYPES)} (--model embedded --dtype …)"
+        )
     _quiet_model_loading()
     profile = run_profile(config, log=lambda line: print(line, file=sys.stderr))
     path = Path(args.out) if args.out else default_profile_path(args.model, args.dtype, args.device)
@@ -597,14 +609,16 @@ def run_advise(args: argparse.Namespace) -> int:
     from policies.profile import Profile
     from profiler.profiling import default_profile_path
     from router.advise import Predictors, advise, render_advice, request_features
+    from router.dtype_choice import decide_dtype
 
     if args.concurrency < 1:
         raise UsageError(f"--concurrency counts this request too: at least 1 (got {args.concurrency})")
     if args.max_tokens < 1:
         raise UsageError(f"--max-tokens must be at least 1 (got {args.max_tokens})")
-    path = Path(args.profile) if args.profile else default_profile_path(args.model, args.dtype, args.device)
-    profile = Profile.load(path)
     config = load_policy(args.policy) if args.policy else default_policy()
+    choice = decide_dtype(args.model, args.dtype, args.device, args.profile, config)
+    path = Path(args.profile) if args.profile else default_profile_path(args.model, choice.dtype, args.device)
+    profile = Profile.load(path)
     request, tokenizer, predictors = None, None, None
     if args.prompt is not None or args.messages is not None:
         request = GenerationRequest(**_prompt_fields(args), max_tokens=args.max_tokens)
@@ -620,7 +634,7 @@ def run_advise(args: argparse.Namespace) -> int:
     elif args.category is None:
         raise UsageError("give a prompt (or --messages), a --category, or both")
     features = request_features(request, args.category, profile, predictors, tokenizer, args.max_tokens)
-    advice = advise(features, args.concurrency, profile, config)
+    advice = advise(features, args.concurrency, profile, config, choice)
     print(advice.model_dump_json(indent=2) if args.json else render_advice(advice))
     return 0
 

@@ -24,6 +24,7 @@ from policies.config import PolicyConfig, PolicyError, parse_policy
 from policies.estimates import BACKENDS
 from policies.policy import Decision, LoadSnapshot, RequestFeatures, decide
 from policies.profile import Profile, ProfileError
+from policies.serving_dtype import DtypeChoice
 
 from .advise import Predictors, request_features
 from .schemas import SpecrouteInfo, SpecrouteOptions
@@ -82,6 +83,7 @@ class Routed:
     predicted_alpha: float | None
     decision: Decision
     features: RequestFeatures
+    weights: str = "float32"  # the serving backend's dtype, or its quantization method
     retried: bool = False
 
     def info(self, result: GenerationResult | None) -> SpecrouteInfo:
@@ -99,6 +101,7 @@ class Routed:
             draft_tokens=stats.draft_tokens if stats else None,
             mean_accepted_length=stats.mean_accepted_length if stats and stats.drafts else None,
             retried=self.retried,
+            weights=self.weights,
             ttft_ms=result.ttft_s * 1e3 if result else None,
             tpot_ms=result.tpot_s * 1e3 if result else None,
         )
@@ -114,9 +117,14 @@ class RouterCore:
         limits: Limits | None = None,
         metrics: Metrics | None = None,
         served_drafters: list[str] | None = None,
+        dtype_choice: DtypeChoice | None = None,
     ):
-        """`served_drafters`: the drafter kinds the speculative backend loaded (None: any profiled)."""
+        """`served_drafters`: the drafter kinds the speculative backend loaded (None: any profiled);
+        `dtype_choice`: the dtype the backends run in and why (None: the profile's, as given)."""
         self.profile, self.policy, self.tokenizer, self.pool = profile, policy, tokenizer, pool
+        self.dtype_choice = dtype_choice or DtypeChoice(
+            dtype=profile.model.dtype, source="configured", reason=f"{profile.model.dtype}: the profile's dtype"
+        )
         self.served_drafters = served_drafters
         self.limits = limits or Limits()
         self.metrics = metrics or NoMetrics()
@@ -206,7 +214,14 @@ class RouterCore:
         elif backend == "speculative" and prepared.options.drafter:
             drafter = self.profile.drafter(prepared.options.drafter).name
         alpha = features.alphas.get(drafter).alpha if drafter in features.alphas else None
-        return Routed(backend, drafter, k, stage, reasons, decision.concurrency, alpha, decision, features)
+        return Routed(
+            backend, drafter, k, stage, reasons, decision.concurrency, alpha, decision, features, self.weights(backend)
+        )
+
+    def weights(self, backend: str) -> str:
+        """What a backend's target computes in: the served dtype, or the quantized backend's method."""
+        quantized = self.profile.quantized
+        return quantized.method if backend == "quantized" and quantized is not None else self.dtype_choice.dtype
 
     def _forced_drafter(self, decision: Decision, prepared: Prepared) -> tuple[str | None, int | None]:
         if prepared.options.drafter:
@@ -248,6 +263,7 @@ class RouterCore:
                 self.metrics.retried(backend)
                 routed.retried = True
                 backend, drafter = "plain", None
+                routed.weights = self.weights(backend)
                 await asyncio.sleep(0.2 * attempts)
 
     async def _tracked(self, backend: str, request: GenerationRequest, drafter: str | None, batching: str):
@@ -316,4 +332,6 @@ class RouterCore:
             "policy_error": self.policy_error,
             "served_drafters": self.drafters,
             "profile": f"{m.name} {m.dtype}, measured {self.profile.created:%Y-%m-%d %H:%M} UTC",
+            "dtype": self.dtype_choice.dtype,
+            "dtype_reason": self.dtype_choice.reason,
         }

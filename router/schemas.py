@@ -170,6 +170,9 @@ class SpecrouteInfo(BaseModel):
     draft_tokens: int | None = None
     mean_accepted_length: float | None = None
     retried: bool = Field(False, description="a backend failed mid-request and the plain backend finished it")
+    weights: str | None = Field(
+        None, description="what the backend's target computes in: the served dtype or the method"
+    )
     ttft_ms: float | None = None
     tpot_ms: float | None = None
 

@@ -23,16 +23,44 @@ from pathlib import Path
 from typing import Any
 
 from backends.errors import UserError
+from policies.profile import Profile
+from policies.serving_dtype import DEFAULT_DTYPE, SERVED_DTYPES
+from profiler.hardware import NO_FAST_BF16, fast_reduced_precision
 
-from .service import ServiceSettings, check_profile
+from .service import ServiceSettings, check_profile, resolve_dtype
 
 READY_TIMEOUT_S = 600.0
 APP_NAME = "specroute"
 OBJECT_STORE_BYTES = 256 * 1024**2
 
 
-def ensure_profile(settings: ServiceSettings, log: Callable[[str], None] = print) -> Path:
-    """The profile the service routes with; measured now (with progress) if there is none."""
+def ensure_profiles(settings: ServiceSettings, log: Callable[[str], None] = print) -> list[Path]:
+    """Every profile the service may route with, measured now (with progress) if missing: with
+    dtype auto, float32 and — where this machine runs bfloat16 natively — bfloat16, so that
+    `resolve_dtype` can pick the faster exact one; else the one dtype asked for."""
+    b = settings.backend
+    paths = [ensure_profile(settings, log)]
+    if settings.profile or b.dtype != "auto":
+        return paths
+    for dtype in SERVED_DTYPES:
+        if dtype == DEFAULT_DTYPE:
+            continue
+        if fast_reduced_precision(b.device):
+            paths.append(ensure_profile(settings.with_dtype(dtype), log, quantized_from=paths[0]))
+        else:
+            log(f"{dtype} not profiled: {NO_FAST_BF16}; serving {DEFAULT_DTYPE}")
+    return paths
+
+
+def ensure_profile(
+    settings: ServiceSettings, log: Callable[[str], None] = print, quantized_from: Path | None = None
+) -> Path:
+    """The profile the service routes with; measured now (with progress) if there is none.
+    `quantized_from`: a float32 profile whose quantized measurements this one takes instead of
+    measuring its own (the quantized backend runs float32 kernels whatever the others run in).
+    Undecided (auto), it is the reference dtype's."""
+    if settings.backend.dtype == "auto":
+        settings = settings.with_dtype(DEFAULT_DTYPE)
     path = settings.profile_path()
     if path.exists():
         return path
@@ -48,9 +76,15 @@ def ensure_profile(settings: ServiceSettings, log: Callable[[str], None] = print
         drafters=b.drafters,
         drafter=b.drafter,
         batches=batches_up_to(b.max_batch),  # the largest batch a replica will run
-        quantization=[b.quantization],
+        quantization=[] if quantized_from else [b.quantization],
     )
-    run_profile(config, progress=True, log=log).save(path)
+    profile = run_profile(config, progress=True, log=log)
+    if quantized_from is not None:
+        source = Profile.load(quantized_from)
+        profile = profile.model_copy(
+            update={"quantized": source.quantized, "quantized_others": source.quantized_others}
+        )
+    profile.save(path)
     log(f"profile written to {path}")
     return path
 
@@ -138,10 +172,13 @@ def serve_forever(settings: ServiceSettings, host: str, port: int, policy_file: 
     from policies.config import load_policy
 
     # A bad policy or model is refused here, before Ray starts.
-    policy = load_policy(policy_file).model_dump(mode="json") if policy_file else None
+    config = load_policy(policy_file) if policy_file else None
+    policy = config.model_dump(mode="json") if config else None
     if settings.backend.model in ("embedded", "default"):
         prepare_embedded_model()
-    ensure_profile(settings)
+    ensure_profiles(settings)
+    settings = resolve_dtype(settings, config)
+    print(f"serving in {settings.backend.dtype}: {settings.dtype_choice.reason}", flush=True)  # type: ignore[union-attr]
     check_profile(settings)
     temp_dir = start_ray()
     stop = _stop_on_signals()  # after ray.init, which installs handlers of its own

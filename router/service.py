@@ -26,13 +26,15 @@ from backends.deployments import BackendSettings, PlainBackend, QuantizedBackend
 from backends.generation import GenerationResult
 from backends.models import load_tokenizer
 from backends.streaming import StreamEvent
-from policies.config import default_policy, load_policy
+from policies.config import PolicyConfig, default_policy, load_policy
 from policies.profile import Profile, ProfileError
+from policies.serving_dtype import DtypeChoice
 from profiler.profiling import default_profile_path
 from profiler.workloads import quantization_split
 
 from .app import create_app, install
 from .core import Limits, RouterCore
+from .dtype_choice import decide_dtype
 
 log = logging.getLogger("specroute.service")
 LATENCY_BUCKETS = [0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2, 5, 10, 30, 60]
@@ -50,10 +52,28 @@ class ServiceSettings(BaseModel):
     api_key: str | None = Field(None, description="Bearer key clients must send; default: $SPECROUTE_API_KEY")
     router_cpus: float = Field(0.2, gt=0, description="Ray CPUs reserved for the router replica")
     backend_cpus: float = Field(0.5, gt=0, description="Ray CPUs reserved for each backend replica")
+    dtype_choice: DtypeChoice | None = Field(
+        None, description="set by resolve_dtype: the dtype served, with the measured reason (not for config files)"
+    )
 
     def profile_path(self) -> Path:
         b = self.backend
+        if not self.profile and b.dtype == "auto":
+            raise ProfileError("the dtype is not decided yet (resolve_dtype): no profile path for dtype auto")
         return Path(self.profile) if self.profile else default_profile_path(b.model, b.dtype, b.device)
+
+    def with_dtype(self, dtype: str) -> ServiceSettings:
+        return self.model_copy(update={"backend": self.backend.model_copy(update={"dtype": dtype})})
+
+
+def resolve_dtype(settings: ServiceSettings, policy: PolicyConfig | None = None) -> ServiceSettings:
+    """The settings with the target's dtype decided and the reason attached (router.dtype_choice)."""
+    if settings.dtype_choice is not None:
+        return settings  # decided before the app was built
+    b = settings.backend
+    policy = policy or (load_policy(settings.policy) if settings.policy else default_policy())
+    choice = decide_dtype(b.model, b.dtype, b.device, settings.profile, policy)
+    return settings.with_dtype(choice.dtype).model_copy(update={"dtype_choice": choice})
 
 
 class HandlePool:
@@ -128,10 +148,13 @@ class Router:
     ):
         s = ServiceSettings.model_validate(settings)
         profile = Profile.load(s.profile_path()).serving(s.backend.quantization)
+        assert s.dtype_choice is not None  # build_app decides it before binding anything
         tokenizer = load_tokenizer(s.backend.model)
         policy = load_policy(s.policy) if s.policy else default_policy()
         pool = HandlePool({"speculative": speculative, "plain": plain, "quantized": quantized})
-        self.core = RouterCore(profile, policy, tokenizer, pool, s.limits, ServeMetrics(), s.backend.drafters)
+        self.core = RouterCore(
+            profile, policy, tokenizer, pool, s.limits, ServeMetrics(), s.backend.drafters, s.dtype_choice
+        )
         install(app, self.core, profile.model.name, s.api_key or os.environ.get("SPECROUTE_API_KEY") or None)
 
     def reconfigure(self, config: dict[str, Any]) -> None:
@@ -148,7 +171,7 @@ def app_builder(args: dict[str, Any]) -> serve.Application:
 
 def build_app(args: dict[str, Any], policy: dict[str, Any] | None = None) -> serve.Application:
     """The application from `args`; `policy`, if given, becomes the Router's user_config."""
-    settings = ServiceSettings.model_validate(args or {})
+    settings = resolve_dtype(ServiceSettings.model_validate(args or {}))
     check_profile(settings)
     backend_args = settings.backend.model_dump(mode="json")
     backend_args["profile"] = backend_args["profile"] or str(settings.profile_path())

@@ -401,7 +401,8 @@ def build_model_drafter(config: DrafterConfig, target: LoadedModel) -> Drafter:
     if draft.info.name == target.info.name and draft.info.dtype == target.info.dtype:
         raise ModelLoadError(
             "the draft model is the target itself in the same dtype, which can never be faster: "
-            "pick a smaller model with the same tokenizer, or draft in bfloat16 (draft_dtype)"
+            "pick a smaller model with the same tokenizer, or another draft_dtype (auto: bfloat16 under a float32 "
+            "target, weight-only quantized under a bfloat16 one)"
         )
     if draft.tokenizer.get_vocab() != target.tokenizer.get_vocab():
         raise ModelLoadError(
@@ -415,11 +416,13 @@ def _load_draft(config: DrafterConfig, target: LoadedModel) -> LoadedModel:
     """The draft model in its dtype; a weight-only method loads float32 weights and quantizes them
     (the same kernels as the quantized backend, so a draft step reads a quarter or an eighth of the
     bytes, and the drafts stay close to the float model's own)."""
-    if config.draft_dtype not in WEIGHT_ONLY:
-        return load_model(config.draft_model, dtype=config.draft_dtype, device=target.info.device)
+    dtype = config.draft_dtype_under(target.info.dtype)
+    if dtype is not None and dtype not in WEIGHT_ONLY:
+        return load_model(config.draft_model, dtype=dtype, device=target.info.device)
     from ..quantized import quantize  # here: the quantized module imports the engines
 
-    return quantize(load_model(config.draft_model, device=target.info.device), method=config.draft_dtype)
+    # None: the method the weights fit (int4 on a 4-bit grid, else int8), what "auto" quantizes to.
+    return quantize(load_model(config.draft_model, device=target.info.device), method=dtype or "auto")
 
 
 def _vocab(target: LoadedModel) -> int:

@@ -174,11 +174,11 @@ def adapter_exit_model(target: PreTrainedModel, trained: TrainedDrafter) -> PreT
 
 
 def build_eagle(config: DrafterConfig, target: LoadedModel) -> Drafter:
-    return named(EagleDrafter(_load(config, target, config.draft_dtype)), config)
+    return named(EagleDrafter(_load(config, target, _heads_dtype(config, target))), config)
 
 
 def build_medusa(config: DrafterConfig, target: LoadedModel) -> Drafter:
-    return named(MedusaDrafter(_load(config, target, config.draft_dtype)), config)
+    return named(MedusaDrafter(_load(config, target, _heads_dtype(config, target))), config)
 
 
 def build_adapter(config: DrafterConfig, target: LoadedModel) -> Drafter:
@@ -187,6 +187,10 @@ def build_adapter(config: DrafterConfig, target: LoadedModel) -> Drafter:
     dtype = target.info.dtype if target.info.dtype in ("float32", "bfloat16") else "float32"
     trained = _load(config, target, dtype)
     return named(ModelDrafter(adapter_exit_model(target.model, trained), target.model.config.vocab_size), config)
+
+
+def _heads_dtype(config: DrafterConfig, target: LoadedModel) -> str:
+    return config.draft_dtype_under(target.info.dtype) or "bfloat16"  # None is for draft models only
 
 
 def _load(config: DrafterConfig, target: LoadedModel, dtype: str) -> TrainedDrafter:

@@ -102,7 +102,7 @@ def test_padding_repeats_the_last_real_position_and_writes_nowhere_read(tiny_tar
     cache = PagedCache(tiny_target.model, 1024, block_tokens=4)
     seqs = [cache.add(), cache.add()]
     cache.last_logits(seqs, [[5, 6, 7], [8]])
-    positions, mask = cache._plan(seqs, [3, 1], [2, 0], width=4)
+    positions, mask = cache._plan(seqs, [3, 1], [2, 0], width=4, tiled=False)
     cache._pass = None
     assert positions.tolist() == [[3, 4, 4, 4], [0, 0, 0, 0]]  # an empty block: all padding, at its last position
     assert mask.shape == (2, 1, 4, 8)
@@ -160,3 +160,20 @@ def test_a_tile_computes_only_the_real_positions_logits_and_refuses_wider_blocks
         assert cache.length(seq) == 2
         with pytest.raises(ValueError, match="4 positions wide"):
             cache.logits([seq], [[1, 2, 3, 4, 5]])
+
+
+def test_passes_over_more_sequences_than_tile_rows_run_at_natural_widths(tiny_target):
+    """A batch's pass is not tiled: its widths are its own (wider than the tile too), and its
+    logits are those of a cache without tiles; a lone sequence's pass still is."""
+    tiled, plain = PagedCache(tiny_target.model, 512, tile=4, tile_rows=1), PagedCache(tiny_target.model, 512)
+    assert tiled.tiles(1) and not tiled.tiles(2)
+    outputs, rows = [], {}
+    with torch.inference_mode():
+        for cache in (tiled, plain):
+            rows[id(cache)] = seqs = [cache.add(), cache.add()]
+            cache.last_logits(seqs, [[5, 6, 7], [8, 9]])
+            outputs.append(cache.logits(seqs, [[1, 2, 3, 4, 5, 6], [7]]))
+        with pytest.raises(ValueError, match="4 positions wide"):
+            tiled.logits(rows[id(tiled)][:1], [[1, 2, 3, 4, 5]])
+    assert outputs[0].shape == outputs[1].shape == (2, 6, tiny_target.model.config.vocab_size)
+    torch.testing.assert_close(outputs[0], outputs[1])

@@ -380,6 +380,14 @@ def test_passes_are_width_invariant_in_reduced_precision_unless_told(mode, dtype
     assert LoopSettings(width_invariant=mode).tile(dtype) == tile
 
 
+def test_only_a_lone_sequences_passes_are_tiled_unless_told():
+    default = LoopSettings()
+    assert default.tiles("bfloat16", 1) and not default.tiles("bfloat16", 2) and not default.tiles("float32", 1)
+    every = LoopSettings(tile_max_rows=None)
+    assert every.tiles("bfloat16", 64) and not every.tiles("float32", 64)
+    assert LoopSettings(tile_max_rows=4).tiles("bfloat16", 4) and not LoopSettings(tile_max_rows=4).tiles("bfloat16", 5)
+
+
 def test_a_speculative_loop_that_would_verify_past_the_tile_is_refused(tiny_target):
     settings = LoopSettings(width_invariant="on", tile_width=5)
     assert Scheduler(tiny_target, settings).tile == 5  # a plain loop takes any tile

@@ -129,3 +129,12 @@ def synthetic_profile(
         samples=samples,
         quantized=quantized,
     )
+
+
+def in_dtype(profile: Profile, dtype: str, speed: float, tile_width: int | None = 9) -> Profile:
+    """`profile` as if measured in another dtype: every target pass `speed` × as long, and a lone
+    sequence's passes flat in the width up to `tile_width` (width-invariant, as the loop tiles them)."""
+    seconds = [[step(b, tile_width if tile_width and b == 1 else w) * speed for w in WIDTHS] for b in BATCHES]
+    update = {"dtype": dtype, "tile_width": tile_width, "tile_max_rows": 1 if tile_width else None}
+    target = CostCurve(batches=BATCHES, widths=WIDTHS, seconds=seconds)
+    return profile.model_copy(update={"model": profile.model.model_copy(update=update), "target": target})

@@ -68,6 +68,15 @@ def test_options_for_another_kind_keep_their_values() -> None:
         options.of("lookahead")
 
 
+def test_auto_draft_dtype_is_bfloat16_except_a_draft_model_under_a_reduced_precision_target() -> None:
+    auto = DrafterConfig()
+    assert auto.draft_dtype == "auto"
+    assert auto.of("model").draft_dtype_under("float32") == "bfloat16"
+    assert auto.of("model").draft_dtype_under("bfloat16") is None  # weight-only: the method the weights fit
+    assert auto.of("eagle").draft_dtype_under("bfloat16") == "bfloat16"
+    assert DrafterConfig(kind="model", draft_dtype="float32").draft_dtype_under("bfloat16") == "float32"
+
+
 def test_ngram_range_is_checked() -> None:
     with pytest.raises(ValidationError, match=r"ngram_min \(5\) must not exceed ngram_max \(4\)"):
         DrafterConfig(ngram_min=5)

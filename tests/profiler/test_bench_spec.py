@@ -70,6 +70,31 @@ def test_bench_spec_cli_writes_json(tmp_path, capsys, loaded):
     assert all(s["how"] == "live" for s in saved["calibration"])  # no map was fitted first
 
 
+def test_bench_spec_in_bfloat16_runs_beside_the_float32_plain_loop(loaded_bf16):
+    """The exact reference is the width-invariant plain loop; the float32 plain loop is timed in the
+    same run, and every configuration's speedup over it reported."""
+    config = BenchSpecConfig(
+        dtype="bfloat16",
+        max_tokens=6,
+        categories=["summarization"],
+        prompts_per_category=1,
+        drafters=["ngram"],
+        fixed_k=4,
+        transformers=False,
+        calibrate=False,
+    )
+    report = run_bench_spec(config)
+    [category] = report.categories
+    runs = {run.name: run for run in category.runs}
+    assert list(runs) == ["plain", "plain, natural widths", "plain, float32", "ngram k=4", "ngram k=auto"]
+    assert runs["ngram k=4"].identical and runs["ngram k=auto"].identical
+    over = report.geomean_over_float32
+    assert set(over) == set(runs) - {"plain, float32"}
+    assert over["plain"] == pytest.approx(runs["plain"].tokens_per_s / runs["plain, float32"].tokens_per_s)
+    text = render_report(report)
+    assert f"  {'ngram k=auto':28} {over['ngram k=auto']:6.2f}×  exact" in text
+
+
 def test_unknown_category_is_refused(loaded):
     with pytest.raises(ValueError, match="unknown categories"):
         run_bench_spec(BenchSpecConfig(categories=["poetry"], drafters=["ngram"], transformers=False))

@@ -329,7 +329,7 @@ def test_a_seed_of_other_weights_or_settings_is_measured_instead(loaded, profile
 
 def test_only_a_measured_profile_of_the_embedded_default_ships(profile, shipped, tmp_path):
     other = profile.model_copy(update={"model": profile.model.model_copy(update={"name": "Other-1B"})})
-    with pytest.raises(ProfileError, match="acceptance ships only for the embedded default in float32"):
+    with pytest.raises(ProfileError, match="acceptance ships only for the embedded default in float32 or bfloat16"):
         write_seed(other, tmp_path / "seed.json")
     with pytest.raises(ProfileError, match="needs acceptance measured in this run: add --acceptance measure"):
         write_seed(shipped[0], tmp_path / "seed.json")
@@ -346,4 +346,17 @@ def test_the_shipped_seed_lets_a_first_start_skip_acceptance(loaded):
         drafter = build_drafter(DrafterConfig().of(kind), loaded)
         assert seed_fits(seed, config, kind, drafter.name), kind
     assert all(seed.quality_of(resolve_method(loaded, choice)) for choice in config.quantization)
+    assert {a.category for a in seed.acceptance} == set(load_prompt_set().categories)
+
+
+def test_the_shipped_bfloat16_seed_lets_a_bfloat16_first_start_skip_acceptance(loaded_bf16):
+    """The bfloat16 profile a `dtype: auto` first start measures (no quantized backend of its own,
+    the draft model weight-only under the bfloat16 target) takes its acceptance from the package."""
+    config = ProfileConfig(dtype="bfloat16", quantization=[])
+    seed = usable_seed(loaded_bf16, config, lambda _: None)
+    assert seed is not None and seed.dtype == "bfloat16"
+    for kind in SERVED_KINDS:
+        drafter = build_drafter(DrafterConfig().of(kind), loaded_bf16)
+        assert seed_fits(seed, config, kind, drafter.name), kind
+    assert "model:SmolLM2-135M-Instruct@int4-weight-only" in {d.name for d in seed.drafters}
     assert {a.category for a in seed.acceptance} == set(load_prompt_set().categories)

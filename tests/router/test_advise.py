@@ -90,3 +90,21 @@ def test_a_profile_of_another_model_is_refused_for_prompt_advice(capsys, tmp_pat
     other.save(path)
     code, _, err = advise(capsys, "Hello", "--profile", str(path))
     assert code == 2 and "profiles other-model, not SmolLM2-135M-Instruct" in err
+
+
+def test_advise_with_dtype_auto_reads_this_machines_profiles_and_says_which_dtype_serves(capsys, tmp_path, monkeypatch):
+    from profiler.profiling import default_profile_path
+    from tests.policies.profiles import in_dtype
+
+    monkeypatch.setenv("SPECROUTE_HOME", str(tmp_path))
+    fp32 = synthetic_profile(quantized_agreement=0.97)
+    fp32.save(default_profile_path("embedded", "float32", "cpu"))
+    in_dtype(fp32, "bfloat16", 0.5).save(default_profile_path("embedded", "bfloat16", "cpu"))
+    code, out, _ = advise(capsys, "--category", "copy")
+    assert code == 0
+    assert "dtype: bfloat16 (picked from this machine's profiles)" in out
+    assert "profile: SmolLM2-135M-Instruct bfloat16" in out  # the decision read the bfloat16 profile
+    dtype_rows = [line.split()[0] for line in out.splitlines() if line.startswith(("  float32 ", "  bfloat16 "))]
+    assert dtype_rows == ["float32", "bfloat16"]
+    code, out, _ = advise(capsys, "--category", "copy", "--dtype", "float32")
+    assert "dtype: float32 (as configured)" in out and "profile: SmolLM2-135M-Instruct float32" in out

@@ -20,9 +20,10 @@ from backends.models import load_tokenizer
 from backends.speculative.stats import SpeculationStats
 from backends.streaming import StreamEvent
 from policies.config import PolicyConfig
+from policies.serving_dtype import choose_dtype
 from router.app import create_app
 from router.core import Limits, RouterCore
-from tests.policies.profiles import synthetic_profile
+from tests.policies.profiles import in_dtype, synthetic_profile
 
 MODEL = "SmolLM2-135M-Instruct"
 WORDS = [" alpha", " beta", " gamma", " delta", " epsilon", " theta"]  # one token each
@@ -463,6 +464,29 @@ def test_models_and_healthz(client):
     health = client.get("/healthz").json()
     assert health["status"] == "ok" and health["model"] == MODEL and health["policy_error"] is None
     assert health["policy"]["speculation"]["enabled"] is True
+    # No choice handed in: the profile's dtype serves, and says so.
+    assert models["data"][0]["specroute"]["dtype"]["dtype"] == health["dtype"] == "float32"
+    assert health["dtype_reason"] == "float32: the profile's dtype"
+
+
+def test_models_advise_and_each_reply_say_which_dtype_serves_and_why(tokenizer):
+    fp32 = synthetic_profile(quantized_agreement=0.99)
+    bf16 = in_dtype(fp32, "bfloat16", 0.5)
+    choice = choose_dtype([fp32, bf16], PolicyConfig())
+    app = create_app(MODEL)
+    app.state.core = RouterCore(
+        bf16, PolicyConfig(), tokenizer, FakePool(tokenizer), Limits(**LIMITS), None, None, choice
+    )
+    client = TestClient(app)
+    shown = client.get("/v1/models").json()["data"][0]["specroute"]["dtype"]
+    assert shown["dtype"] == "bfloat16" and shown["reason"] == choice.reason
+    assert [o["dtype"] for o in shown["outlooks"]] == ["float32", "bfloat16"]
+    advice = client.post(ADVISE, json={"prompt": "copy prompt 1", "max_tokens": 8}).json()
+    assert advice["dtype"]["dtype"] == "bfloat16" and "tok/s for a lone request" in advice["dtype"]["reason"]
+    reply = client.post(CHAT, json=chat_body(specroute={"backend": "plain"})).json()
+    assert reply["specroute"]["weights"] == "bfloat16"
+    reply = client.post(CHAT, json=chat_body(specroute={"backend": "quantized"})).json()
+    assert reply["specroute"]["weights"] == "int4-weight-only"
 
 
 # -- 3. the official openai client -----------------------------------------------------------------

@@ -135,6 +135,14 @@ def test_factory_refuses_drafting_with_the_target_itself_in_the_same_dtype(loade
         build_drafter(config, loaded)
 
 
+@pytest.mark.slow
+def test_auto_draft_model_under_a_bfloat16_target_is_the_weight_only_model_its_weights_fit(loaded_bf16):
+    # A bfloat16 copy of a bfloat16 target would cost what the target does; the embedded weights sit
+    # on a 4-bit grid, so the draft model is the int4 one.
+    drafter = build_drafter(DrafterConfig(kind="model", draft_model="embedded"), loaded_bf16)
+    assert drafter.name == "model:SmolLM2-135M-Instruct@int4-weight-only"
+
+
 def test_factory_config_rejects_a_reversed_ngram_range():
     with pytest.raises(ValueError, match="ngram_min"):
         DrafterConfig(ngram_min=5, ngram_max=2)

@@ -1,0 +1,152 @@
+"""Which dtype the service's target runs in, decided from this machine's profiles.
+
+float32 is the reference: speculative output equals plain output at any pass width. A reduced
+precision (bfloat16) moves half the bytes, and is exact at batch 1 only when its passes are
+width-invariant (`ModelSummary.tile_width`). Among the exact dtypes profiled, the service serves the
+one whose best way to serve a lone request — plain decoding or the speculation the policy would
+pick, per profiled category — is predicted faster, geometric mean over the categories. The
+quantized backend is left out of the comparison: it runs the same float32 kernels whichever dtype
+the others run in. The choice, the figures behind it and the reason are what `/v1/models`,
+`/healthz` and `advise` show.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+from .config import PolicyConfig
+from .estimates import ProfileCosts
+from .policy import LoadSnapshot, RequestFeatures, decide
+from .profile import Profile, ProfileError
+
+DEFAULT_DTYPE = "float32"  # the reference every other dtype is compared with, and the fallback
+SERVED_DTYPES: tuple[str, ...] = ("float32", "bfloat16")  # what `dtype: auto` picks among
+# A dtype must beat the one served before it by this much: two profiles measured minutes apart on
+# a noisy machine differ by a few percent with nothing changed.
+MIN_GAIN = 1.05
+
+
+class DtypeOutlook(BaseModel):
+    """One dtype's profile read for the choice: predicted speeds from measured costs and acceptance."""
+
+    dtype: str
+    exact: bool = Field(description="speculative greedy output equals plain output at batch 1 in this dtype")
+    tile_width: int | None = Field(None, description="width-invariant passes' width (None: natural widths)")
+    tile_max_rows: int | None = Field(None, description="with tile_width: the most sequences a tiled pass has")
+    step_ms: float = Field(description="one plain decode step at batch 1 (measured)")
+    plain_tokens_per_s: float = Field(description="plain decoding of one request")
+    best_tokens_per_s: float = Field(
+        description="one request served the way the policy would (plain or speculative), geometric mean over the "
+        "profiled categories"
+    )
+    best_by_category: dict[str, str] = Field(
+        default_factory=dict, description="what serves each category, and how fast"
+    )
+    batch: int = Field(description="the largest profiled batch within batching.max_batch")
+    batch_tokens_per_s: float = Field(description="plain decoding at that batch, all sequences together")
+    measured: str = Field(description="when and on what the profile was measured")
+
+
+class DtypeChoice(BaseModel):
+    dtype: str
+    source: Literal["measured", "configured"] = Field(
+        description="measured: picked from the profiles (dtype auto); configured: set in the settings"
+    )
+    reason: str
+    outlooks: list[DtypeOutlook] = Field(default_factory=list)
+
+
+def outlook(profile: Profile, config: PolicyConfig) -> DtypeOutlook:
+    """Batch-1 speeds of the plain and speculative backends over this profile (quantization off)."""
+    alone = config.model_copy(update={"quantization": config.quantization.model_copy(update={"enabled": False})})
+    costs = ProfileCosts(profile)
+    plain = 1.0 / costs.step_s(1)
+    speeds, by_category = [], {}
+    for category in profile.categories or [None]:
+        features = RequestFeatures(prompt_tokens=_prompt_tokens(profile, category), max_tokens=256, category=category)
+        chosen = decide(features, LoadSnapshot(), profile, alone).chosen()
+        speeds.append(chosen.tokens_per_s)
+        how = f"{chosen.drafter} k={chosen.k}" if chosen.drafter else "plain"
+        by_category[category or "any"] = f"{how}, {chosen.tokens_per_s:.1f} tok/s"
+    batch = max([b for b in profile.target.batches if b <= config.batching.max_batch] or [1])
+    m = profile.model
+    return DtypeOutlook(
+        dtype=m.dtype,
+        exact=m.exact_at_batch_one,
+        tile_width=m.tile_width,
+        tile_max_rows=m.tile_max_rows,
+        step_ms=costs.step_s(1) * 1e3,
+        plain_tokens_per_s=plain,
+        best_tokens_per_s=math.exp(sum(math.log(s) for s in speeds) / len(speeds)),
+        best_by_category=by_category,
+        batch=batch,
+        batch_tokens_per_s=batch / costs.step_s(batch),
+        measured=f"{profile.machine.get('cpu')}, {profile.created:%Y-%m-%d %H:%M} UTC",
+    )
+
+
+def choose_dtype(profiles: Sequence[Profile], config: PolicyConfig, missing: str | None = None) -> DtypeChoice:
+    """The exact dtype predicted fastest for a lone request; float32 unless another beats it by
+    MIN_GAIN. `missing` says why a dtype was not profiled (it goes into the reason)."""
+    outlooks = [outlook(p, config) for p in profiles]
+    exact = [o for o in outlooks if o.exact]
+    if not exact:
+        raise ProfileError("no profile of an exact dtype to serve: profile float32 (`specroute profile`)")
+    reference = next((o for o in exact if o.dtype == DEFAULT_DTYPE), exact[0])
+    best = max(exact, key=lambda o: o.best_tokens_per_s)
+    chosen = best if best.best_tokens_per_s >= MIN_GAIN * reference.best_tokens_per_s else reference
+    return DtypeChoice(
+        dtype=chosen.dtype, source="measured", reason=_reason(chosen, outlooks, missing), outlooks=outlooks
+    )
+
+
+def configured(dtype: str, profiles: Sequence[Profile], config: PolicyConfig, reason: str | None = None) -> DtypeChoice:
+    """A dtype the settings name, with what the profiles at hand predict for it and the others."""
+    outlooks = [outlook(p, config) for p in profiles]
+    why = reason or f"{dtype}: set in the settings (backend.dtype; auto picks from the profiles)"
+    return DtypeChoice(dtype=dtype, source="configured", reason=why, outlooks=outlooks)
+
+
+def _reason(chosen: DtypeOutlook, outlooks: list[DtypeOutlook], missing: str | None) -> str:
+    parts = [f"{chosen.dtype}: {_figures(chosen)}"]
+    for other in outlooks:
+        if other is chosen:
+            continue
+        if not other.exact:
+            parts.append(
+                f"{other.dtype} not considered: its passes run at natural widths, so speculation would change "
+                "its tokens"
+            )
+        else:
+            ratio = chosen.best_tokens_per_s / other.best_tokens_per_s
+            verdict = f"{ratio:.2f}× slower served alone"
+            if ratio < 1:
+                verdict = f"{1 / ratio:.2f}× faster served alone, short of the {MIN_GAIN:.2f}× a switch needs"
+            parts.append(f"{other.dtype}: {_figures(other)} ({verdict})")
+    if chosen.tile_width is not None:
+        rows = {None: "every pass", 1: "every pass of a lone sequence"}.get(
+            chosen.tile_max_rows, f"every pass of up to {chosen.tile_max_rows} sequences"
+        )
+        parts.append(
+            f"exact at batch 1: {rows} runs {chosen.tile_width} positions wide, so a request alone gets plain "
+            "decoding's tokens from speculation too (rows batched together may differ from alone)"
+        )
+    if missing:
+        parts.append(missing)
+    return "; ".join(parts)
+
+
+def _figures(o: DtypeOutlook) -> str:
+    return (
+        f"{o.best_tokens_per_s:.1f} tok/s for a lone request (plain {o.plain_tokens_per_s:.1f}, "
+        f"step {o.step_ms:.1f} ms), {o.batch_tokens_per_s:.0f} tok/s plain at batch {o.batch}"
+    )
+
+
+def _prompt_tokens(profile: Profile, category: str | None) -> int:
+    lengths = [s.prompt_tokens for s in profile.samples if category is None or s.category == category]
+    return round(sum(lengths) / len(lengths)) if lengths else 64
