@@ -390,6 +390,11 @@ class Profile(_Frozen):
         steps = sum(a.steps for a in rows)
         return sum(a.proposal_rate * a.steps for a in rows) / steps if steps else 1.0
 
+    def mean_prompt_tokens(self, category: str | None = None) -> int | None:
+        """The profiled prompts' mean length in tokens, of one category or of all (None: no samples)."""
+        lengths = [s.prompt_tokens for s in self.samples if category is None or s.category == category]
+        return round(sum(lengths) / len(lengths)) if lengths else None
+
     @property
     def categories(self) -> list[str]:
         return sorted({a.category for a in self.acceptance})

@@ -67,7 +67,8 @@ def outlook(profile: Profile, config: PolicyConfig) -> DtypeOutlook:
     plain = 1.0 / costs.step_s(1)
     speeds, by_category = [], {}
     for category in profile.categories or [None]:
-        features = RequestFeatures(prompt_tokens=_prompt_tokens(profile, category), max_tokens=256, category=category)
+        tokens = profile.mean_prompt_tokens(category) or 64  # a typical chat prompt where none was sampled
+        features = RequestFeatures(prompt_tokens=tokens, max_tokens=256, category=category)
         chosen = decide(features, LoadSnapshot(), profile, alone).chosen()
         speeds.append(chosen.tokens_per_s)
         how = f"{chosen.drafter} k={chosen.k}" if chosen.drafter else "plain"
@@ -145,8 +146,3 @@ def _figures(o: DtypeOutlook) -> str:
         f"{o.best_tokens_per_s:.1f} tok/s for a lone request (plain {o.plain_tokens_per_s:.1f}, "
         f"step {o.step_ms:.1f} ms), {o.batch_tokens_per_s:.0f} tok/s plain at batch {o.batch}"
     )
-
-
-def _prompt_tokens(profile: Profile, category: str | None) -> int:
-    lengths = [s.prompt_tokens for s in profile.samples if category is None or s.category == category]
-    return round(sum(lengths) / len(lengths)) if lengths else 64

@@ -99,6 +99,10 @@ def _compare(
 ) -> tuple[list[Agreement], PlainSpeed]:
     """Every comparison in one mode, each against the plain loop's outputs alone; and the plain
     loop's tokens per second alone and in the largest batch."""
+    # Untimed first: a loop's first passes of each shape set up their kernels (bfloat16 on CPU
+    # especially), which would otherwise count against whichever mode runs first.
+    for warm in (requests[:1], requests[: max(batch_sizes)]):
+        plain.generate(warm)
     started, alone = time.perf_counter(), _one_by_one(plain, requests, bar)
     speed = sum(len(t) for t in alone) / (time.perf_counter() - started)
     batched_speed = 0.0

@@ -122,7 +122,7 @@ def request_features(
         if category is None:
             raise ProfileError("give a prompt, a category, or both")
         return RequestFeatures(
-            prompt_tokens=_mean_prompt_tokens(profile, category), max_tokens=max_tokens, category=category
+            prompt_tokens=profile.mean_prompt_tokens(category) or 1, max_tokens=max_tokens, category=category
         )
     if tokenizer is None:
         raise ValueError("a tokenizer is needed to count the prompt's tokens")
@@ -209,11 +209,6 @@ def render_advice(advice: Advice) -> str:
     if advice.dtype is not None:
         lines += ["", *render_dtype(advice.dtype)]
     return "\n".join(lines)
-
-
-def _mean_prompt_tokens(profile: Profile, category: str) -> int:
-    lengths = [s.prompt_tokens for s in profile.samples if s.category == category]
-    return round(sum(lengths) / len(lengths)) if lengths else 1
 
 
 def render_dtype(choice: DtypeChoice) -> list[str]:
