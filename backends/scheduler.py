@@ -119,10 +119,6 @@ class LoopSettings(BaseModel):
         on = self.width_invariant == "on" or (self.width_invariant == "auto" and dtype in REDUCED_PRECISION)
         return self.tile_width if on else None
 
-    def tiles(self, dtype: str, rows: int) -> bool:
-        """Whether a pass over `rows` sequences of a target in `dtype` is width-invariant."""
-        return self.tile(dtype) is not None and (self.tile_max_rows is None or rows <= self.tile_max_rows)
-
 
 @dataclass
 class Row:
@@ -759,12 +755,10 @@ def step_costs(loaded: LoadedModel, max_width: int, settings: LoopSettings | Non
     """A step-cost table for this target, probed per batch bucket on first use, through passes
     shaped as the loop with these settings runs them (width-invariant or not)."""
     loop = settings or LoopSettings()
-    dtype = loaded.info.dtype
+    tile = loop.tile(loaded.info.dtype)
 
     def probe(batch: int, widths: Sequence[int]) -> dict[int, float]:
-        return measure_step_times(
-            loaded.model, batch, widths, tile=loop.tile(dtype) if loop.tiles(dtype, batch) else None
-        )
+        return measure_step_times(loaded.model, batch, widths, tile=tile, tile_rows=loop.tile_max_rows)
 
     return StepCosts(probe, max_width=max_width)
 
@@ -792,15 +786,16 @@ def measure_step_times(
     repeats: int = PROBE_REPEATS,
     enough_s: float | None = None,
     tile: int | None = None,
+    tile_rows: int | None = None,
 ) -> dict[int, float]:
     """Best-of-`repeats` seconds of a target pass of each width (new tokens per row) over `context`
     cached tokens per row, through the same paged cache the step loop uses. The context is
     placeholder keys and values (a pass costs the same whatever they hold), so no prefill is paid
     for it. The repeats go round all widths in turn, so a slow spell on a busy machine spoils one
     round of every width rather than every try of one width; with `enough_s`, rounds stop after
-    two once they have taken that long. With `tile`, passes are width-invariant (`PagedCache`), as
-    a loop in that mode runs them."""
-    cache = PagedCache(model, batch * (context + max(widths) + BLOCK_TOKENS), tile=tile)
+    two once they have taken that long. With `tile` (and `tile_rows`), passes are width-invariant
+    where `PagedCache` makes them so, as a loop in that mode runs them."""
+    cache = PagedCache(model, batch * (context + max(widths) + BLOCK_TOKENS), tile=tile, tile_rows=tile_rows)
     seqs = [cache.add() for _ in range(batch)]
     generator = torch.Generator().manual_seed(0)
     vocab = model.config.vocab_size  # not the LM head: an int8 head has no float weight matrix

@@ -390,7 +390,7 @@ def measure_curve(
     rows = [
         list(
             measure_step_times(
-                loaded.model, b, widths, context, repeats, config.enough_s, tile if loop.tiles(dtype, b) else None
+                loaded.model, b, widths, context, repeats, config.enough_s, tile, loop.tile_max_rows
             ).values()
         )
         for b in tqdm(config.batches, desc=label, unit="batch", disable=not progress)

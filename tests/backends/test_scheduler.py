@@ -380,12 +380,17 @@ def test_passes_are_width_invariant_in_reduced_precision_unless_told(mode, dtype
     assert LoopSettings(width_invariant=mode).tile(dtype) == tile
 
 
-def test_only_a_lone_sequences_passes_are_tiled_unless_told():
-    default = LoopSettings()
-    assert default.tiles("bfloat16", 1) and not default.tiles("bfloat16", 2) and not default.tiles("float32", 1)
-    every = LoopSettings(tile_max_rows=None)
-    assert every.tiles("bfloat16", 64) and not every.tiles("float32", 64)
-    assert LoopSettings(tile_max_rows=4).tiles("bfloat16", 4) and not LoopSettings(tile_max_rows=4).tiles("bfloat16", 5)
+def test_only_a_lone_sequences_passes_are_tiled_unless_told(tiny_target):
+    """The loop's cache tiles what `tile_max_rows` allows (the probe and the profiler build theirs
+    from the same two settings)."""
+    default = LoopSettings(width_invariant="on")
+    cache = Scheduler(tiny_target, default).cache
+    assert cache.tiles(1) and not cache.tiles(2)
+    every = Scheduler(tiny_target, LoopSettings(width_invariant="on", tile_max_rows=None)).cache
+    assert every.tiles(64)
+    four = Scheduler(tiny_target, LoopSettings(width_invariant="on", tile_max_rows=4)).cache
+    assert four.tiles(4) and not four.tiles(5)
+    assert not Scheduler(tiny_target, LoopSettings()).cache.tiles(1)  # float32: natural widths
 
 
 def test_a_speculative_loop_that_would_verify_past_the_tile_is_refused(tiny_target):
