@@ -13,8 +13,10 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from .attention import use_grouped_attention
 from .embedded import EMBEDDED_NAME, embedded_model_dir, embedded_model_ready
 from .errors import ModelLoadError
+from .packing import pack_linears
 
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 DEVICES = ("cpu", "cuda")
@@ -85,6 +87,9 @@ def load_model(
     else:
         model, tokenizer = _load_pretrained(location, torch_dtype)
     model.to(device).eval()
+    if device == "cpu":  # the decode step's CPU kernels (measured by `specroute bench plain`)
+        pack_linears(model)
+        use_grouped_attention(model)
     if tokenizer.pad_token_id is None:
         # Padding positions are masked out, so any id works; EOS is always in the vocabulary.
         tokenizer.pad_token = tokenizer.eos_token

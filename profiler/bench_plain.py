@@ -1,6 +1,8 @@
 """`specroute bench plain`: the plain engine against transformers' `model.generate` on the same
 prompts in the same run (interleaved, so machine noise hits both alike), tokens/s as the batch
-grows, and how close a batch-1 decode step comes to the machine's memory bandwidth."""
+grows, and how close a batch-1 decode step comes to the machine's memory bandwidth — with the
+linear layers packed (`backends.packing`, the default on CPUs) and with torch's own linear,
+alternating in the same run."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from transformers import GenerationConfig
 
 from backends.generation import ChatMessage, GenerationRequest
 from backends.models import LoadedModel
+from backends.packing import is_packed, pack_linears, unpack_linears
 from backends.plain import PlainEngine
 
 from .hardware import MachineInfo, machine_info, measure_copy_bandwidth, measure_matvec_bandwidth
@@ -54,8 +57,14 @@ class BandwidthUse(BaseModel):
     achieved_bytes_per_s: float = Field(description="weight bytes × decode steps per second")
     copy_bytes_per_s: float = Field(description="memory copy bandwidth measured in this run")
     fraction: float = Field(description="achieved over copy bandwidth")
-    matvec_bytes_per_s: float = Field(description="one matrix-vector product over the LM head, measured in this run")
+    matvec_bytes_per_s: float = Field(
+        description="one matrix-vector product through the LM head (the kernel the step runs), measured in this run"
+    )
     matvec_fraction: float = Field(description="achieved over the matrix-vector ceiling")
+    unpacked_decode_step_ms: float | None = Field(
+        None, description="the same step with torch's own linear layers, alternating with the packed ones (CPU only)"
+    )
+    unpacked_fraction: float | None = Field(None, description="achieved with torch's own linear over copy bandwidth")
 
 
 class BenchPlainReport(BaseModel):
@@ -77,10 +86,11 @@ def run_bench_plain(config: BenchPlainConfig) -> BenchPlainReport:
     with tqdm(total=total, desc="bench plain", unit="run", leave=False) as bar:
         _warm_up(engine, loaded, requests[0])
         copy_bandwidth = measure_copy_bandwidth(device=config.device)
-        matvec_bandwidth = measure_matvec_bandwidth(loaded.model.get_output_embeddings().weight)
+        matvec_bandwidth = measure_matvec_bandwidth(loaded.model.get_output_embeddings())
         bar.update()
-        comparison, decode_step_s = _compare_with_generate(engine, loaded, requests, config.rounds, bar)
+        comparison = _compare_with_generate(engine, loaded, requests, config.rounds, bar)
         batches = [_batch_point(engine, requests, size, bar) for size in config.batch_sizes]
+        decode_step_s, unpacked_s = _decode_steps(engine, loaded, requests[0], config.rounds)
     achieved = loaded.info.weight_bytes / decode_step_s
     return BenchPlainReport(
         machine=machine_info(),
@@ -95,6 +105,8 @@ def run_bench_plain(config: BenchPlainConfig) -> BenchPlainReport:
             fraction=achieved / copy_bandwidth,
             matvec_bytes_per_s=matvec_bandwidth,
             matvec_fraction=achieved / matvec_bandwidth,
+            unpacked_decode_step_ms=None if unpacked_s is None else unpacked_s * 1e3,
+            unpacked_fraction=None if unpacked_s is None else loaded.info.weight_bytes / unpacked_s / copy_bandwidth,
         ),
     )
 
@@ -108,18 +120,17 @@ def _warm_up(engine: PlainEngine, loaded: LoadedModel, request: GenerationReques
 
 def _compare_with_generate(
     engine: PlainEngine, loaded: LoadedModel, requests: list[GenerationRequest], rounds: int, bar: tqdm
-) -> tuple[GenerateComparison, float]:
+) -> GenerateComparison:
     """Batch-1 tokens/s of both engines; which runs first alternates each round to cancel drift."""
-    ours_s = theirs_s = decode_s = 0.0
+    ours_s = theirs_s = 0.0
     identical = True
     for round_index in range(rounds):
         for request in requests:
             ours, theirs, same = _time_pair(engine, loaded, request, ours_first=round_index % 2 == 0)
             ours_s, theirs_s, identical = ours_s + ours, theirs_s + theirs, identical and same
             bar.update(2)
-        decode_s += engine.generate([requests[0]])[0].tpot_s
     tokens = rounds * sum(r.max_tokens for r in requests)  # ignore_eos: every request runs to max_tokens
-    comparison = GenerateComparison(
+    return GenerateComparison(
         requests=rounds * len(requests),
         tokens_per_request=requests[0].max_tokens,
         specroute_tokens_per_s=tokens / ours_s,
@@ -127,7 +138,27 @@ def _compare_with_generate(
         ratio=theirs_s / ours_s,
         identical_tokens=identical,
     )
-    return comparison, decode_s / rounds
+
+
+def _decode_steps(
+    engine: PlainEngine, loaded: LoadedModel, request: GenerationRequest, rounds: int
+) -> tuple[float, float | None]:
+    """Mean batch-1 decode step (s) as the engine runs, and with torch's own linear layers where
+    the engine runs packed ones (None otherwise); the two alternate, a warm-up each first."""
+    packed = is_packed(loaded.model)
+    modes = (True, False) if packed else (False,)
+    seconds: dict[bool, float] = dict.fromkeys(modes, 0.0)
+    try:
+        for round_index in range(rounds + 1):
+            for mode in modes if round_index % 2 == 0 else modes[::-1]:
+                (pack_linears if mode else unpack_linears)(loaded.model)
+                step = engine.generate([request])[0].tpot_s
+                if round_index:  # the first round warms both (a first packed call packs its layer)
+                    seconds[mode] += step
+    finally:
+        if packed:
+            pack_linears(loaded.model)
+    return seconds[packed] / rounds, seconds[False] / rounds if packed else None
 
 
 def _time_pair(
@@ -206,7 +237,13 @@ def render_report(report: BenchPlainReport) -> str:
         f"  {bw.weight_bytes / 1e6:.1f} MB of weights × {1e3 / bw.decode_step_ms:.1f} steps/s = "
         f"{bw.achieved_bytes_per_s / 1e9:.2f} GB/s achieved",
         f"  memory copy bandwidth measured now: {bw.copy_bytes_per_s / 1e9:.2f} GB/s  →  {bw.fraction:.1%} of it",
-        f"  one matrix-vector product over the LM head: {bw.matvec_bytes_per_s / 1e9:.2f} GB/s  →  "
+        f"  one matrix-vector product through the LM head: {bw.matvec_bytes_per_s / 1e9:.2f} GB/s  →  "
         f"{bw.matvec_fraction:.1%} of that kernel ceiling",
     ]
+    if bw.unpacked_decode_step_ms is not None and bw.unpacked_fraction is not None:
+        lines += [
+            f"  step with packed linear layers {bw.decode_step_ms:7.1f} ms  →  {bw.fraction:.1%} of copy bandwidth",
+            f"  step with torch's own linear   {bw.unpacked_decode_step_ms:7.1f} ms  →  "
+            f"{bw.unpacked_fraction:.1%}  (packed: {bw.unpacked_decode_step_ms / bw.decode_step_ms:.2f}× faster)",
+        ]
     return "\n".join(lines)

@@ -70,16 +70,18 @@ def measure_copy_bandwidth(megabytes: int = 256, repeats: int = 5, device: str =
     return 2 * src.numel() * src.element_size() / _best_seconds(lambda: dst.copy_(src), repeats, device)
 
 
-def measure_matvec_bandwidth(weight: torch.Tensor, repeats: int = 10) -> float:
-    """Best-of-`repeats` bytes/s of one matrix-vector product over `weight` (out, in).
+def measure_matvec_bandwidth(layer: torch.nn.Linear, repeats: int = 10) -> float:
+    """Best-of-`repeats` bytes/s of one matrix-vector product through `layer` (its weight counted
+    once), with the kernel the layer runs (packed or torch's own, see `backends.packing`).
 
-    A batch-1 decode step is a chain of these; this is the ceiling the math library reaches on
-    this machine, which can sit well below the copy bandwidth.
+    A batch-1 decode step is a chain of these; this is the ceiling that kernel reaches on this
+    machine, which can sit well below the copy bandwidth.
     """
+    weight = layer.weight
     x = torch.randn(1, weight.shape[1], dtype=weight.dtype, device=weight.device)
     with torch.inference_mode():
-        torch.nn.functional.linear(x, weight)  # warm-up outside the timed region
-        seconds = _best_seconds(lambda: torch.nn.functional.linear(x, weight), repeats, weight.device.type)
+        layer(x)  # warm-up outside the timed region (a packed layer packs its weight here)
+        seconds = _best_seconds(lambda: layer(x), repeats, weight.device.type)
     return weight.numel() * weight.element_size() / seconds
 
 

@@ -1,5 +1,6 @@
 import torch
 
+from backends.packing import pack_linears
 from profiler.hardware import machine_info, measure_copy_bandwidth, measure_matvec_bandwidth
 
 
@@ -15,5 +16,9 @@ def test_machine_info_describes_this_machine():
 
 
 def test_matvec_bandwidth_counts_the_weight_bytes_once():
-    bandwidth = measure_matvec_bandwidth(torch.randn(4096, 512), repeats=3)
+    layer = torch.nn.Linear(512, 4096, bias=False)
+    bandwidth = measure_matvec_bandwidth(layer, repeats=3)
     assert 1e8 < bandwidth < 1e13
+    packed = torch.nn.Linear(512, 4096, bias=False)
+    pack_linears(packed)
+    assert 1e8 < measure_matvec_bandwidth(packed, repeats=3) < 1e13
