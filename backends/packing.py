@@ -77,8 +77,8 @@ class _Group:
             return out
         weight, bias = self.packed.of(self.members)
         outputs = _product(x, weight, bias).split([m.out_features for m in self.members], dim=-1)
-        self.input = x
         self.waiting = {i: out for i, out in enumerate(outputs) if i != index}
+        self.input = x if self.waiting else None  # a lone layer keeps no reference to its input
         return outputs[index]
 
 
