@@ -89,7 +89,7 @@ def packing_available() -> bool:
 
 def pack_linears(model: nn.Module) -> int:
     """Serve every plain linear layer of `model` from a prepacked weight, siblings that read one
-    input from one product; how many layers were packed."""
+    input from one product; how many layers were newly packed (already packed ones stay as they are)."""
     if not packing_available():
         return 0
     grouped: set[int] = set()
@@ -121,7 +121,14 @@ def is_packed(model: nn.Module) -> bool:
 
 
 def _packable(module: object) -> bool:
-    return type(module) is nn.Linear and module.weight.dtype in PACKED_DTYPES and module.weight.device.type == "cpu"
+    """A plain float linear layer on the CPU, not packed yet (packing twice would throw away the
+    packed copies already made)."""
+    return (
+        type(module) is nn.Linear
+        and "_group" not in module.__dict__
+        and module.weight.dtype in PACKED_DTYPES
+        and module.weight.device.type == "cpu"
+    )
 
 
 def _fusable(members: list[object]) -> bool:

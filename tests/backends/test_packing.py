@@ -28,6 +28,8 @@ def test_a_packed_model_computes_what_torch_computes(dtype):
     want = model(input_ids=tokens).logits
     assert pack_linears(model) == 2 * 7 + 1  # seven projections a block, the LM head
     got = model(input_ids=tokens).logits
+    packed = model.lm_head._group.packed.weight
+    assert pack_linears(model) == 0 and model.lm_head._group.packed.weight is packed  # packed once
     # Same products, other kernels: float32 agrees to rounding; bfloat16 rounds every product.
     tolerance = {"rtol": 1e-4, "atol": 1e-4} if dtype == torch.float32 else {"rtol": 0.05, "atol": 0.05}
     torch.testing.assert_close(got, want, **tolerance)
