@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import cached_property
 from pathlib import Path
 
@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 from .attention import use_grouped_attention
 from .embedded import EMBEDDED_NAME, embedded_model_dir, embedded_model_ready
 from .errors import ModelLoadError
-from .packing import pack_linears
+from .kernels import KernelChoice, choose_linear_kernels
 
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 DEVICES = ("cpu", "cuda")
@@ -33,6 +33,7 @@ class ModelInfo:
     hidden_size: int
     dtype: str
     device: str
+    linear_kernels: str | None = None  # "packed" or "torch" on a CPU (`backends/kernels.py`), None elsewhere
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -43,6 +44,7 @@ class LoadedModel:
     model: PreTrainedModel
     tokenizer: PreTrainedTokenizerBase
     info: ModelInfo
+    kernels: KernelChoice | None = None  # why a CPU model runs the linear kernels it does
 
     @cached_property
     def fingerprint(self) -> str:
@@ -75,8 +77,11 @@ def load_model(
     dtype: str = "float32",
     device: str = "cpu",
     threads: int | None = None,
+    linear_kernels: str | None = None,
 ) -> LoadedModel:
-    """Load `source` ("embedded"/None, a directory, a `.gguf` path or a hub id) for inference."""
+    """Load `source` ("embedded"/None, a directory, a `.gguf` path or a hub id) for inference; on a
+    CPU, `linear_kernels` ("auto", "packed" or "torch"; default SPECROUTE_LINEAR_KERNELS or auto) picks
+    the linear layers' kernels (`backends/kernels.py`)."""
     torch_dtype = resolve_dtype(dtype)
     _check_device(device)
     if threads is not None:
@@ -87,14 +92,18 @@ def load_model(
     else:
         model, tokenizer = _load_pretrained(location, torch_dtype)
     model.to(device).eval()
+    kernels = None
     if device == "cpu":  # the decode step's CPU kernels (measured by `specroute bench plain`)
-        pack_linears(model)
         use_grouped_attention(model)
+        kernels = choose_linear_kernels(model, dtype, linear_kernels)
     if tokenizer.pad_token_id is None:
         # Padding positions are masked out, so any id works; EOS is always in the vocabulary.
         tokenizer.pad_token = tokenizer.eos_token
     name = EMBEDDED_NAME if kind == "embedded" else location
-    return LoadedModel(model, tokenizer, describe(model, name, dtype, device))
+    info = describe(model, name, dtype, device)
+    if kernels is not None:
+        info = replace(info, linear_kernels=kernels.kernel)
+    return LoadedModel(model, tokenizer, info, kernels)
 
 
 def resolve_dtype(dtype: str) -> torch.dtype:

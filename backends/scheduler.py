@@ -52,8 +52,9 @@ from policies.quantization import REDUCED_PRECISION
 
 from .errors import RequestError
 from .generation import GenerationRequest, GenerationResult, SequenceState, TokenListener, listener_for
-from .kv import BLOCK_TOKENS, PagedCache
+from .kv import PagedCache
 from .models import LoadedModel
+from .pass_timing import measure_step_times
 from .plain import PlainEngine
 from .sampling import new_generator, sample_tokens, target_probs
 from .speculative.acceptance import AcceptancePredictor, refine_offset
@@ -763,10 +764,6 @@ def step_costs(loaded: LoadedModel, max_width: int, settings: LoopSettings | Non
     return StepCosts(probe, max_width=max_width)
 
 
-PROBE_CONTEXT = 64  # tokens per row in the step-cost probe
-PROBE_REPEATS = 3
-
-
 def seeded_step_costs(loaded: LoadedModel, curve: CostCurve, settings: LoopSettings | None = None) -> StepCosts:
     """The step-cost table started from a measured curve (a profile's), so no request waits for a
     timing probe."""
@@ -775,50 +772,3 @@ def seeded_step_costs(loaded: LoadedModel, curve: CostCurve, settings: LoopSetti
         if b & (b - 1) == 0:  # the table is keyed by power-of-two buckets
             costs.target_s.update({(b, w): s for w, s in zip(curve.widths, row, strict=True)})
     return costs
-
-
-@torch.inference_mode()
-def measure_step_times(
-    model: torch.nn.Module,
-    batch: int,
-    widths: Sequence[int],
-    context: int = PROBE_CONTEXT,
-    repeats: int = PROBE_REPEATS,
-    enough_s: float | None = None,
-    tile: int | None = None,
-    tile_rows: int | None = None,
-) -> dict[int, float]:
-    """Best-of-`repeats` seconds of a target pass of each width (new tokens per row) over `context`
-    cached tokens per row, through the same paged cache the step loop uses. The context is
-    placeholder keys and values (a pass costs the same whatever they hold), so no prefill is paid
-    for it. The repeats go round all widths in turn, so a slow spell on a busy machine spoils one
-    round of every width rather than every try of one width; with `enough_s`, rounds stop after
-    two once they have taken that long. With `tile` (and `tile_rows`), passes are width-invariant
-    where `PagedCache` makes them so, as a loop in that mode runs them."""
-    cache = PagedCache(model, batch * (context + max(widths) + BLOCK_TOKENS), tile=tile, tile_rows=tile_rows)
-    seqs = [cache.add() for _ in range(batch)]
-    generator = torch.Generator().manual_seed(0)
-    vocab = model.config.vocab_size  # not the LM head: an int8 head has no float weight matrix
-
-    def tokens(width: int) -> list[list[int]]:
-        return torch.randint(0, vocab, (batch, width), generator=generator).tolist()
-
-    for seq in seqs:
-        cache.fill(seq, context)
-    # One untimed pass first: a dtype's first kernels can carry one-off set-up costs (bf16 on CPU).
-    float(cache.logits(seqs, tokens(1))[0, -1, 0])
-    for seq in seqs:
-        cache.truncate(seq, context)
-    seconds = dict.fromkeys(widths, float("inf"))
-    started = time.perf_counter()
-    for round_ in range(repeats):
-        if round_ >= 2 and enough_s is not None and time.perf_counter() - started > enough_s:
-            break  # passes this long vary little: two rounds are the best of enough
-        for width in widths:
-            block = tokens(width)
-            begun = time.perf_counter()
-            float(cache.logits(seqs, block)[0, -1, 0])  # reading a value waits for an asynchronous device
-            seconds[width] = min(seconds[width], time.perf_counter() - begun)
-            for seq in seqs:
-                cache.truncate(seq, context)
-    return seconds

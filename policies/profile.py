@@ -252,6 +252,10 @@ class ModelSummary(_Frozen):
     tile_max_rows: int | None = Field(
         None, ge=1, description="with tile_width: passes of more sequences than this ran at natural widths"
     )
+    linear_kernels: str | None = Field(
+        None,
+        description="the linear kernels the profile's passes ran on a CPU ('packed' or 'torch'; chosen by measurement)",
+    )
 
     @property
     def exact_at_batch_one(self) -> bool:

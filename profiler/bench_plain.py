@@ -1,8 +1,8 @@
 """`specroute bench plain`: the plain engine against transformers' `model.generate` on the same
 prompts in the same run (interleaved, so machine noise hits both alike), tokens/s as the batch
 grows, and how close a batch-1 decode step comes to the machine's memory bandwidth — with the
-linear layers packed (`backends.packing`, the default on CPUs) and with torch's own linear,
-alternating in the same run."""
+linear layers packed (`backends.packing`) and with torch's own linear, alternating in the same
+run, beside which of the two the load chose for this machine (`backends.kernels`)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,9 @@ from tqdm import tqdm
 from transformers import GenerationConfig
 
 from backends.generation import ChatMessage, GenerationRequest
+from backends.kernels import apply_linear_kernels
 from backends.models import LoadedModel
-from backends.packing import is_packed, pack_linears, unpack_linears
+from backends.packing import packing_available
 from backends.plain import PlainEngine
 
 from .hardware import MachineInfo, machine_info, measure_copy_bandwidth, measure_matvec_bandwidth
@@ -61,10 +62,16 @@ class BandwidthUse(BaseModel):
         description="one matrix-vector product through the LM head (the kernel the step runs), measured in this run"
     )
     matvec_fraction: float = Field(description="achieved over the matrix-vector ceiling")
-    unpacked_decode_step_ms: float | None = Field(
-        None, description="the same step with torch's own linear layers, alternating with the packed ones (CPU only)"
+    linear_kernels: str | None = Field(None, description="the kernels the load chose and the step above ran (CPU)")
+    kernels_reason: str | None = Field(None, description="why the load chose them")
+    packed_decode_step_ms: float | None = Field(
+        None, description="the step with packed linear layers, alternating with torch's linear (CPU with oneDNN)"
     )
-    unpacked_fraction: float | None = Field(None, description="achieved with torch's own linear over copy bandwidth")
+    torch_decode_step_ms: float | None = Field(None, description="the step with torch's own linear layers")
+
+    def fraction_at(self, step_ms: float) -> float:
+        """A step of `step_ms` as a fraction of the copy bandwidth."""
+        return self.weight_bytes / (step_ms / 1e3) / self.copy_bytes_per_s
 
 
 class BenchPlainReport(BaseModel):
@@ -90,7 +97,8 @@ def run_bench_plain(config: BenchPlainConfig) -> BenchPlainReport:
         bar.update()
         comparison = _compare_with_generate(engine, loaded, requests, config.rounds, bar)
         batches = [_batch_point(engine, requests, size, bar) for size in config.batch_sizes]
-        decode_step_s, unpacked_s = _decode_steps(engine, loaded, requests[0], config.rounds)
+        steps = _decode_steps(engine, loaded, requests[0], config.rounds)
+    decode_step_s = steps[loaded.info.linear_kernels or "as loaded"]
     achieved = loaded.info.weight_bytes / decode_step_s
     return BenchPlainReport(
         machine=machine_info(),
@@ -105,8 +113,10 @@ def run_bench_plain(config: BenchPlainConfig) -> BenchPlainReport:
             fraction=achieved / copy_bandwidth,
             matvec_bytes_per_s=matvec_bandwidth,
             matvec_fraction=achieved / matvec_bandwidth,
-            unpacked_decode_step_ms=None if unpacked_s is None else unpacked_s * 1e3,
-            unpacked_fraction=None if unpacked_s is None else loaded.info.weight_bytes / unpacked_s / copy_bandwidth,
+            linear_kernels=loaded.info.linear_kernels,
+            kernels_reason=None if loaded.kernels is None else loaded.kernels.reason(),
+            packed_decode_step_ms=steps["packed"] * 1e3 if "packed" in steps else None,
+            torch_decode_step_ms=steps["torch"] * 1e3 if "torch" in steps else None,
         ),
     )
 
@@ -142,23 +152,26 @@ def _compare_with_generate(
 
 def _decode_steps(
     engine: PlainEngine, loaded: LoadedModel, request: GenerationRequest, rounds: int
-) -> tuple[float, float | None]:
-    """Mean batch-1 decode step (s) as the engine runs, and with torch's own linear layers where
-    the engine runs packed ones (None otherwise); the two alternate, a warm-up each first."""
-    packed = is_packed(loaded.model)
-    modes = (True, False) if packed else (False,)
-    seconds: dict[bool, float] = dict.fromkeys(modes, 0.0)
+) -> dict[str, float]:
+    """Mean batch-1 decode step (s) as the engine runs it, by linear kernels: on a CPU with
+    oneDNN both ("packed", "torch") alternate, a warm-up round first, and the model is left with the
+    kernels it was loaded with; elsewhere the one step ("as loaded")."""
+    chosen = loaded.info.linear_kernels
+    if chosen is None or not packing_available():
+        engine.generate([request])
+        return {chosen or "as loaded": sum(engine.generate([request])[0].tpot_s for _ in range(rounds)) / rounds}
+    kernels = (chosen, "torch" if chosen == "packed" else "packed")
+    seconds = dict.fromkeys(kernels, 0.0)
     try:
         for round_index in range(rounds + 1):
-            for mode in modes if round_index % 2 == 0 else modes[::-1]:
-                (pack_linears if mode else unpack_linears)(loaded.model)
+            for kernel in kernels if round_index % 2 == 0 else kernels[::-1]:
+                apply_linear_kernels(loaded.model, kernel)  # type: ignore[arg-type]
                 step = engine.generate([request])[0].tpot_s
                 if round_index:  # the first round warms both (a first packed call packs its layer)
-                    seconds[mode] += step
+                    seconds[kernel] += step
     finally:
-        if packed:
-            pack_linears(loaded.model)
-    return seconds[packed] / rounds, seconds[False] / rounds if packed else None
+        apply_linear_kernels(loaded.model, chosen)  # type: ignore[arg-type]
+    return {kernel: total / rounds for kernel, total in seconds.items()}
 
 
 def _time_pair(
@@ -240,10 +253,13 @@ def render_report(report: BenchPlainReport) -> str:
         f"  one matrix-vector product through the LM head: {bw.matvec_bytes_per_s / 1e9:.2f} GB/s  →  "
         f"{bw.matvec_fraction:.1%} of that kernel ceiling",
     ]
-    if bw.unpacked_decode_step_ms is not None and bw.unpacked_fraction is not None:
+    if bw.packed_decode_step_ms is not None and bw.torch_decode_step_ms is not None:
+        packed, plain = bw.packed_decode_step_ms, bw.torch_decode_step_ms
         lines += [
-            f"  step with packed linear layers {bw.decode_step_ms:7.1f} ms  →  {bw.fraction:.1%} of copy bandwidth",
-            f"  step with torch's own linear   {bw.unpacked_decode_step_ms:7.1f} ms  →  "
-            f"{bw.unpacked_fraction:.1%}  (packed: {bw.unpacked_decode_step_ms / bw.decode_step_ms:.2f}× faster)",
+            f"  step with packed linear layers {packed:7.1f} ms  →  {bw.fraction_at(packed):.1%} of copy bandwidth",
+            f"  step with torch's own linear   {plain:7.1f} ms  →  {bw.fraction_at(plain):.1%}  "
+            f"(packed: {plain / packed:.2f}× as fast)",
         ]
+    if bw.kernels_reason is not None:
+        lines += [f"  the load chose {bw.kernels_reason}"]
     return "\n".join(lines)

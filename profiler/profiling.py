@@ -556,4 +556,5 @@ def _model_summary(loaded: LoadedModel) -> ModelSummary:
         kv_bytes_per_token=kv_bytes_per_token(loaded.model),
         tile_width=LoopSettings().tile(info.dtype),
         tile_max_rows=LoopSettings().tile_max_rows,
+        linear_kernels=info.linear_kernels,
     )

@@ -42,6 +42,9 @@ class BackendSummary(BaseModel):
     weights: str = Field(description="the target's dtype, or the quantization method")
     weight_bytes: int | None = Field(description="resident weight bytes of the target (drafters separate)")
     drafter_bytes: dict[str, int] = Field(default_factory=dict, description="weights each drafter adds")
+    linear_kernels: str | None = Field(
+        None, description="the target's linear kernels on a CPU: 'packed' keeps a second, reordered copy of its weights"
+    )
     agreement: float | None = Field(None, description="teacher-forced top-1 agreement with the full-precision target")
     perplexity_delta: float | None = None
     greedy_match: float | None = Field(None, description="share of held-out prompts with identical greedy tokens")
@@ -52,8 +55,14 @@ def backend_summaries(profile: Profile) -> list[BackendSummary]:
     m, q = profile.model, profile.quantized
     drafters = {d.name: d.weight_bytes for d in profile.drafters if d.weight_bytes}
     rows = [
-        BackendSummary(backend="speculative", weights=m.dtype, weight_bytes=m.weight_bytes, drafter_bytes=drafters),
-        BackendSummary(backend="plain", weights=m.dtype, weight_bytes=m.weight_bytes),
+        BackendSummary(
+            backend="speculative",
+            weights=m.dtype,
+            weight_bytes=m.weight_bytes,
+            drafter_bytes=drafters,
+            linear_kernels=m.linear_kernels,
+        ),
+        BackendSummary(backend="plain", weights=m.dtype, weight_bytes=m.weight_bytes, linear_kernels=m.linear_kernels),
     ]
     if q is not None:
         rows.append(
@@ -75,6 +84,8 @@ def render_backends(rows: list[BackendSummary]) -> list[str]:
     for r in rows:
         size = "—" if r.weight_bytes is None else f"{r.weight_bytes / 2**20:.0f} MiB"
         extra = "".join(f", + {name} {b / 2**20:.0f} MiB" for name, b in r.drafter_bytes.items())
+        if r.linear_kernels == "packed" and r.weight_bytes is not None:
+            extra += f", + packed copy {r.weight_bytes / 2**20:.0f} MiB"
         quality = ""
         if r.agreement is not None:
             quality = f"; agreement {r.agreement:.1%}"

@@ -2,6 +2,7 @@ import json
 
 import pytest
 
+from router.advise import backend_summaries, render_backends
 from router.cli import main
 from tests.policies.profiles import synthetic_profile
 
@@ -108,3 +109,17 @@ def test_advise_with_dtype_auto_reads_this_machines_profiles_and_says_which_dtyp
     assert dtype_rows == ["float32", "bfloat16"]
     code, out, _ = advise(capsys, "--category", "copy", "--dtype", "float32")
     assert "dtype: float32 (as configured)" in out and "profile: SmolLM2-135M-Instruct float32" in out
+
+
+@pytest.mark.parametrize("kernels", ["packed", "torch", None])
+def test_the_backends_table_counts_a_packed_copy_of_the_weights(kernels):
+    profile = synthetic_profile(quantized_agreement=0.97)
+    mib = 3 * 2**20
+    profile = profile.model_copy(
+        update={"model": profile.model.model_copy(update={"weight_bytes": mib, "linear_kernels": kernels})}
+    )
+    rows = backend_summaries(profile)
+    assert [r.linear_kernels for r in rows] == [kernels, kernels, None]  # the quantized target has its own layers
+    lines = render_backends(rows)[1:]
+    packed = [line for line in lines if "+ packed copy 3 MiB" in line]
+    assert [line.split()[0] for line in packed] == (["speculative", "plain"] if kernels == "packed" else [])
