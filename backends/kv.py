@@ -59,6 +59,25 @@ class _Sequence:
     reserved: int = 0  # tokens promised to this sequence (blocks it may still claim)
 
 
+@dataclass(frozen=True)
+class BlockStructure:
+    """A row's new tokens that are not one chain (lookahead's Jacobi window and candidate
+    n-grams): token i of the block is computed at position start + offsets[i] and attends to the
+    whole cached context and to the block's tokens j where sees[i, j]. Its keys and values are
+    written in block order whatever the positions, so a chain placed first in the block (the
+    verified tokens) is kept by `truncate` and the rest is dropped with it."""
+
+    offsets: torch.Tensor  # (L,) long, offsets[i] ≥ 0
+    sees: torch.Tensor  # (L, L) bool, sees[i, i] true
+
+    def __post_init__(self) -> None:
+        length = self.offsets.shape[0]
+        if self.sees.shape != (length, length) or not bool(self.sees.diagonal().all()):
+            raise ValueError("a block structure needs an (L, L) visibility with every token seeing itself")
+        if bool((self.offsets < 0).any()):
+            raise ValueError("a block token cannot sit before the cached context")
+
+
 @dataclass
 class _Pass:
     """What `update` needs during one forward: where the new tokens go and what to read back."""
@@ -137,6 +156,23 @@ class PagedCache:
         self.free.extend(state.blocks[keep:])
         del state.blocks[keep:]
 
+    def keep_branch(self, seq: int, start: int, kept: Sequence[int]) -> None:
+        """After a structured pass that began at `start`: keep the block tokens at indices `kept`
+        (a root and one accepted branch, in order) as the sequence's tokens start, start + 1, …,
+        moving their keys and values into place, and forget the rest of the block."""
+        state = self.sequences[seq]
+        if any(i < 0 or start + i >= state.length for i in kept) or start > state.length:
+            raise ValueError(f"kept block indices {list(kept)} lie outside the pass at {start}")
+
+        def slot(position: int) -> int:
+            return state.blocks[position // self.block_tokens] * self.block_tokens + position % self.block_tokens
+
+        source = torch.tensor([slot(start + i) for i in kept], dtype=torch.long, device=self.device)
+        target = torch.tensor([slot(start + j) for j in range(len(kept))], dtype=torch.long, device=self.device)
+        for pool in (*self.keys, *self.values):  # index_select copies first, so overlaps are safe
+            pool.index_copy_(0, target, pool.index_select(0, source))
+        self.truncate(seq, start + len(kept))
+
     def fill(self, seq: int, count: int) -> None:
         """`count` tokens of placeholder context (zero keys and values, no forward pass): for timing
         passes, whose cost depends on how long the context is, never on what it holds."""
@@ -168,14 +204,17 @@ class PagedCache:
         blocks: Sequence[Sequence[int]],
         width: int | None = None,
         keep: str = "all",
+        structures: Sequence[BlockStructure | None] | None = None,
         **inputs: torch.Tensor,
     ) -> Any:
         """Feed each sequence its block of new tokens (blocks may differ in length, even be empty)
         in one pass; the model's output with logits at every block position, (B, W, V), or with
         keep="last" only after each sequence's last new token, (B, V). The block is right-padded
         to `width` (≥ the longest block). `inputs` are extra per-position model inputs laid out
-        like the padded block (B, W, …), e.g. the features an EAGLE head reads."""
+        like the padded block (B, W, …), e.g. the features an EAGLE head reads. `structures`
+        gives a row's block other positions and visibility than one causal chain."""
         counts = [len(b) for b in blocks]
+        structures = _checked_structures(structures, counts)
         width = max(max(counts, default=1), 1) if width is None else width
         tiled = self.tiles(len(seqs))
         if tiled and keep == "all":
@@ -191,7 +230,7 @@ class PagedCache:
         input_ids = torch.zeros((len(seqs), width), dtype=torch.long)
         for row, block in enumerate(blocks):
             input_ids[row, : len(block)] = torch.tensor(list(block), dtype=torch.long)
-        positions, mask = self._plan(seqs, starts, counts, width, tiled)
+        positions, mask = self._plan(seqs, starts, counts, width, tiled, structures)
         logits_to_keep: int | torch.Tensor = width
         if tiled:  # padding's logits are never read
             logits_to_keep = torch.arange(max(max(counts, default=1), 1), device=self.device)
@@ -211,9 +250,15 @@ class PagedCache:
                 out.hidden = out.hidden[rows, columns]
         return out
 
-    def logits(self, seqs: Sequence[int], blocks: Sequence[Sequence[int]], width: int | None = None) -> torch.Tensor:
+    def logits(
+        self,
+        seqs: Sequence[int],
+        blocks: Sequence[Sequence[int]],
+        width: int | None = None,
+        structures: Sequence[BlockStructure | None] | None = None,
+    ) -> torch.Tensor:
         """Logits at every block position, (B, W, V)."""
-        return self.forward(seqs, blocks, width).logits
+        return self.forward(seqs, blocks, width, structures=structures).logits
 
     def last_logits(self, seqs: Sequence[int], blocks: Sequence[Sequence[int]]) -> torch.Tensor:
         """Logits after each sequence's last new token, (B, V): a long catch-up or prompt chunk
@@ -259,7 +304,13 @@ class PagedCache:
         return self.tile is not None and (self.tile_rows is None or rows <= self.tile_rows)
 
     def _plan(
-        self, seqs: Sequence[int], starts: list[int], counts: list[int], width: int, tiled: bool
+        self,
+        seqs: Sequence[int],
+        starts: list[int],
+        counts: list[int],
+        width: int,
+        tiled: bool,
+        structures: Sequence[BlockStructure | None] = (),
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Positions (B, W) and the boolean attention mask (B, 1, W, T); sets up `update`."""
         bs = self.block_tokens
@@ -273,18 +324,26 @@ class PagedCache:
         real = offsets < count
         # Padding repeats the row's last position: it must never index past the context
         # (learned position tables) or stretch rotary scaling, and nobody reads its keys.
-        positions = torch.where(real, start + offsets, (start + count - 1).clamp(min=0))
+        slots = torch.where(real, start + offsets, (start + count - 1).clamp(min=0))
+        positions = slots.clone()
+        for row, structure in enumerate(structures):
+            if structure is not None:
+                positions[row, : counts[row]] = starts[row] + structure.offsets
         tables = torch.zeros((batch, columns // bs), dtype=torch.long)
         for row, seq in enumerate(seqs):
             owned = self.sequences[seq].blocks
             tables[row, : len(owned)] = torch.tensor(owned, dtype=torch.long)
         token_index = (tables.unsqueeze(2) * bs + torch.arange(bs)).reshape(batch, columns)
-        write = torch.where(real, token_index.gather(1, positions), torch.zeros_like(positions))
+        write = torch.where(real, token_index.gather(1, slots), torch.zeros_like(slots))
         # Query i of a row sees its own tokens up to itself; padding queries see the row's real
         # tokens (or column 0), so no query is left with nothing to attend to.
         visible = torch.where(real, start + offsets, start + count - 1)
         mask = torch.arange(columns).view(1, 1, columns) <= visible.unsqueeze(2)
         mask[:, :, 0] |= True
+        for row, structure in enumerate(structures):
+            if structure is not None:
+                begin, count_ = starts[row], counts[row]
+                mask[row, :count_, begin : begin + count_] = structure.sees
         self._pass = _Pass(write.reshape(-1).to(self.device), token_index.reshape(-1).to(self.device), batch, columns)
         return positions.to(self.device), mask.unsqueeze(1).to(self.device)
 
@@ -335,6 +394,19 @@ class PagedCache:
         """The last pass's hidden states at `layers` (a subset of `feature_layers`), concatenated:
         (B, W, len(layers) · H) over the positions just fed."""
         return torch.cat([self.hidden_states[i] for i in layers], dim=-1)
+
+
+def _checked_structures(
+    structures: Sequence[BlockStructure | None] | None, counts: list[int]
+) -> Sequence[BlockStructure | None]:
+    if structures is None:
+        return [None] * len(counts)
+    if len(structures) != len(counts):
+        raise ValueError(f"{len(structures)} block structures for {len(counts)} rows")
+    for structure, count in zip(structures, counts, strict=True):
+        if structure is not None and structure.offsets.shape[0] != count:
+            raise ValueError(f"a block structure of {structure.offsets.shape[0]} tokens for a block of {count}")
+    return structures
 
 
 def check_full_attention(model: PreTrainedModel) -> None:

@@ -14,6 +14,7 @@ so what a row emits never depends on the rows it is batched with.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -92,3 +93,72 @@ def _row_uniforms(
         if count:
             uniforms[row, :count] = torch.rand(count, generator=generator, dtype=torch.float64, device=generator.device)
     return uniforms.to(device)
+
+
+@dataclass(frozen=True)
+class CandidateVerdict:
+    """What verifying several candidate continuations of one row at once kept: `accepted` tokens of
+    candidate `branch` (whose keys and values stay in the cache), then `next_token` from the target."""
+
+    branch: int
+    accepted: int
+    next_token: int
+
+
+def accept_candidates_greedy(candidates: Sequence[Sequence[int]], target_tokens: torch.Tensor) -> CandidateVerdict:
+    """Greedy verification of several candidates of one row (lookahead's n-grams): the longest
+    candidate prefix equal to the target's argmax chain, then the target's own next token — exactly
+    what greedy plain decoding emits. target_tokens (G, L+1): the argmax after each candidate's
+    first j tokens, j = 0..L."""
+    best = CandidateVerdict(0, 0, int(target_tokens[0, 0]))
+    for branch, tokens in enumerate(candidates):
+        chain = target_tokens[branch].tolist()
+        accepted = 0
+        while accepted < len(tokens) and tokens[accepted] == chain[accepted]:
+            accepted += 1
+        if accepted > best.accepted:
+            best = CandidateVerdict(branch, accepted, chain[accepted])
+    return best
+
+
+def accept_candidates_sampled(
+    candidates: Sequence[Sequence[int]], target_probs: torch.Tensor, generator: torch.Generator
+) -> CandidateVerdict:
+    """Speculative sampling over several deterministic candidates of one row (SpecInfer's rule for
+    one-hot drafts, what lookahead decoding needs): at each depth the distinct next tokens of the
+    candidates still matching the accepted prefix are tried in turn; token c is accepted with
+    probability p(c) under the current p, and on rejection p becomes norm(p with c zeroed) — the
+    residual norm(max(0, p − q)) of a one-hot q. When every one is rejected the next token is drawn
+    from what is left; when a candidate is accepted to its end, from the target after it. Each
+    emitted token is thereby distributed exactly as the target's, whatever the candidates.
+    target_probs (G, L+1, V): the target's distribution after each candidate's first j tokens
+    (candidates sharing a prefix share it; the first one's is used)."""
+    if not any(candidates):
+        return CandidateVerdict(0, 0, int(draw(target_probs[0, 0].double().unsqueeze(0), [generator])[0]))
+    alive = [b for b, tokens in enumerate(candidates) if tokens]
+    depth = 0
+    while True:
+        p = target_probs[alive[0], depth].double()
+        tried: list[int] = []
+        for branch in alive:
+            tokens = candidates[branch]
+            if depth < len(tokens) and tokens[depth] not in tried:
+                tried.append(tokens[depth])
+        accepted_token = None
+        for token in tried:
+            u = torch.rand((), generator=generator, dtype=torch.float64, device=generator.device)
+            if u * p.sum() < p[token]:  # P = p(c) / Σp: p is renormalised lazily
+                accepted_token = token
+                break
+            p = p.clone()
+            p[token] = 0.0
+        if accepted_token is None:
+            rest = p if p.sum() > 0 else target_probs[alive[0], depth].double()  # rounding only
+            return CandidateVerdict(alive[0], depth, int(draw(rest.unsqueeze(0), [generator])[0]))
+        alive = [b for b in alive if depth < len(candidates[b]) and candidates[b][depth] == accepted_token]
+        depth += 1
+        if depth == max(len(candidates[b]) for b in alive):
+            longest = next(b for b in alive if len(candidates[b]) == depth)
+            after = target_probs[longest, depth].double()
+            return CandidateVerdict(longest, depth, int(draw(after.unsqueeze(0), [generator])[0]))
+        alive = [b for b in alive if len(candidates[b]) > depth]

@@ -4,7 +4,7 @@ whatever else joins, grows, is cut back or leaves, and the pool never holds more
 import pytest
 import torch
 
-from backends.kv import CacheFull, PagedCache
+from backends.kv import BlockStructure, CacheFull, PagedCache
 
 TOL = {"atol": 1e-4, "rtol": 1e-4}
 
@@ -177,3 +177,58 @@ def test_passes_over_more_sequences_than_tile_rows_run_at_natural_widths(tiny_ta
             tiled.logits(rows[id(tiled)][:1], [[1, 2, 3, 4, 5]])
     assert outputs[0].shape == outputs[1].shape == (2, 6, tiny_target.model.config.vocab_size)
     torch.testing.assert_close(outputs[0], outputs[1])
+
+
+def _branches(root: int, branches: list[list[int]]) -> tuple[list[int], BlockStructure]:
+    """A block of a root token and branches that each continue it, laid out one after another."""
+    block, offsets, owner = [root], [0], [-1]
+    for b, branch in enumerate(branches):
+        for depth, token in enumerate(branch):
+            block.append(token)
+            offsets.append(depth + 1)
+            owner.append(b)
+    size = len(block)
+    sees = torch.eye(size, dtype=torch.bool)
+    sees[:, 0] = True  # everything continues the root
+    for i in range(size):
+        for j in range(1, i):  # earlier tokens of its own branch
+            sees[i, j] |= owner[i] == owner[j]
+    return block, BlockStructure(torch.tensor(offsets), sees)
+
+
+@torch.inference_mode()
+def test_a_structured_block_computes_every_branch_as_if_it_ran_alone(tiny_target):
+    model = tiny_target.model
+    cache = PagedCache(model, 1024, block_tokens=4)
+    prompt, root, branches = [5, 6, 7, 8, 9], 10, [[11, 12, 13], [21, 22], [31]]
+    rows = [cache.add(), cache.add()]
+    cache.last_logits(rows, [prompt, [40, 41]])
+    block, structure = _branches(root, branches)
+    # Beside a plain row whose block is a chain, in the same pass.
+    logits = cache.logits(rows, [block, [42, 43]], structures=[structure, None])
+    torch.testing.assert_close(logits[0, 0], _clean_logits(model, [*prompt, root]), **TOL)
+    at = 1
+    for branch in branches:
+        for depth in range(len(branch)):
+            want = _clean_logits(model, [*prompt, root, *branch[: depth + 1]])
+            torch.testing.assert_close(logits[0, at], want, **TOL)
+            at += 1
+    torch.testing.assert_close(logits[1, 1], _clean_logits(model, [40, 41, 42, 43]), **TOL)
+    # The first branch sits right after the root: truncating keeps exactly it.
+    cache.truncate(rows[0], len(prompt) + 1 + 2)
+    after = cache.last_logits([rows[0]], [[50]])
+    torch.testing.assert_close(after[0], _clean_logits(model, [*prompt, root, 11, 12, 50]), **TOL)
+
+
+def test_a_block_structure_must_fit_its_block(tiny_target):
+    with pytest.raises(ValueError, match="every token seeing itself"):
+        BlockStructure(torch.tensor([0, 1]), torch.zeros(2, 2, dtype=torch.bool))
+    with pytest.raises(ValueError, match="before the cached context"):
+        BlockStructure(torch.tensor([0, -1]), torch.eye(2, dtype=torch.bool))
+    cache = PagedCache(tiny_target.model, 1024, block_tokens=4)
+    seq = cache.add()
+    structure = BlockStructure(torch.tensor([0, 1]), torch.eye(2, dtype=torch.bool))
+    with pytest.raises(ValueError, match="a block structure of 2 tokens for a block of 3"):
+        cache.logits([seq], [[1, 2, 3]], structures=[structure])
+    with pytest.raises(ValueError, match="1 block structures for 2 rows"):
+        cache.logits([seq, cache.add()], [[1, 2], [3]], structures=[structure])

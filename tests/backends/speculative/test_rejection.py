@@ -6,7 +6,14 @@ import torch
 from scipy.stats import chisquare
 
 from backends.sampling import SamplingParams, target_probs
-from backends.speculative.rejection import accept_greedy, accept_sampled, residual
+from backends.speculative.rejection import (
+    CandidateVerdict,
+    accept_candidates_greedy,
+    accept_candidates_sampled,
+    accept_greedy,
+    accept_sampled,
+    residual,
+)
 
 VOCAB = 12
 DRAWS = 20_000
@@ -127,3 +134,85 @@ def test_residual_is_normalised_and_falls_back_to_p_when_empty():
     out = residual(p, q)
     assert torch.allclose(out[0], torch.tensor([1.0, 0.0, 0.0]))
     assert torch.allclose(out[1], p[1])
+
+
+# Several candidates verified at once (lookahead's n-grams): a small tree of true conditionals.
+TREE_VOCAB = 6
+
+
+def _tree(seed: int, temperature: float):
+    """p(x1), p(x2 | x1) and p(x3 | x1, x2) over TREE_VOCAB tokens, from random logits."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(1 + TREE_VOCAB + TREE_VOCAB**2, TREE_VOCAB, generator=g) * 2
+    probs = torch.softmax(logits / temperature, dim=-1)
+    root, second, third = probs[0], probs[1 : 1 + TREE_VOCAB], probs[1 + TREE_VOCAB :].view(TREE_VOCAB, TREE_VOCAB, -1)
+    return root, second, third
+
+
+def _candidate_probs(candidates, root, second, third) -> torch.Tensor:
+    """(G, 3, V): the target's distribution after each candidate's first 0, 1, 2 tokens."""
+    rows = []
+    for tokens in candidates:
+        padded = list(tokens) + [0] * (2 - len(tokens))
+        rows.append(torch.stack([root, second[padded[0]], third[padded[0], padded[1]]]))
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.0])
+def test_several_candidates_at_once_keep_the_targets_joint_distribution(temperature):
+    root, second, third = _tree(seed=11, temperature=temperature)
+    favourite = int(root.argmax())
+    unlikely = int(root.argmin())
+    candidates = [
+        [favourite, int(second[favourite].argmax())],
+        [favourite, int(second[favourite].argmin())],  # shares its first token with the one above
+        [unlikely, 0],
+        [favourite, int(second[favourite].argmax())],  # a duplicate: tried once
+        [int(root.argsort()[-2])],  # shorter
+    ]
+    probs = _candidate_probs(candidates, root, second, third)
+    generator = torch.Generator().manual_seed(5)
+    pairs, accepted_total = [], 0
+    for _ in range(DRAWS):
+        verdict = accept_candidates_sampled(candidates, probs, generator)
+        emitted = candidates[verdict.branch][: verdict.accepted] + [verdict.next_token]
+        accepted_total += verdict.accepted
+        if len(emitted) < 2:  # the rest of the sequence from the target, as the next step would
+            emitted.append(int(torch.multinomial(second[emitted[0]], 1, generator=generator)))
+        pairs.append(emitted[0] * TREE_VOCAB + emitted[1])
+    joint = (root.unsqueeze(1) * second).flatten()
+    assert _chi2_pvalue(torch.tensor(pairs), joint) > 0.01
+    assert accepted_total > DRAWS * 0.5  # the candidates were used, not just bypassed
+
+
+def test_the_candidate_check_catches_a_rule_that_skips_the_residual():
+    root, second, third = _tree(seed=11, temperature=1.0)
+    favourite = int(root.argmax())
+    candidates = [[favourite], [int(root.argsort()[-2])]]
+    probs = _candidate_probs(candidates, root, second, third)
+    generator = torch.Generator().manual_seed(6)
+    firsts = []
+    for _ in range(DRAWS):
+        # Biased: after a rejection, draw from p itself instead of p with the rejected tokens zeroed.
+        verdict = accept_candidates_sampled(candidates, probs, generator)
+        first = (
+            candidates[verdict.branch][0] if verdict.accepted else int(torch.multinomial(root, 1, generator=generator))
+        )
+        firsts.append(first)
+    assert _chi2_pvalue(torch.tensor(firsts), root) < 1e-6
+
+
+def test_greedy_candidates_keep_the_longest_prefix_on_the_argmax_chain():
+    candidates = [[3, 1, 4], [3, 1, 5], [2], []]
+    chains = torch.tensor([[3, 1, 5, 9], [3, 1, 5, 8], [3, 7, 7, 7], [3, 0, 0, 0]])
+    verdict = accept_candidates_greedy(candidates, chains)
+    assert verdict == CandidateVerdict(branch=1, accepted=3, next_token=8)
+    assert accept_candidates_greedy([[2], [4]], torch.tensor([[3, 0], [3, 0]])) == CandidateVerdict(0, 0, 3)
+    assert accept_candidates_greedy([], torch.tensor([[6]])) == CandidateVerdict(0, 0, 6)
+
+
+def test_no_candidates_is_a_plain_draw_from_the_target():
+    root, _, _ = _tree(seed=2, temperature=1.0)
+    generator = torch.Generator().manual_seed(1)
+    firsts = [accept_candidates_sampled([[]], root.view(1, 1, -1), generator).next_token for _ in range(5000)]
+    assert _chi2_pvalue(torch.tensor(firsts), root) > 0.01
