@@ -191,7 +191,8 @@ class SpeculativeBackend(_Backend):
         s = self.settings
         self.drafters = [build_drafter(s.drafter.of(kind), self.loaded) for kind in s.drafters]
         self.names = {kind: d.name for kind, d in zip(s.drafters, self.drafters, strict=True)}
-        self.costs = _seeded_costs(self.loaded, s) or step_costs(self.loaded, s.k_max + 1, s)
+        widest = max([s.k_max + 1, *(d.widest_block for d in self.drafters)])  # a lookahead block may be wider
+        self.costs = _seeded_costs(self.loaded, s, widest) or step_costs(self.loaded, widest, s)
         self.costs.ensure(s.max_batch)  # probe what the profile did not measure before any request's clock starts
         self.draft_costs = _seeded_draft_costs(s.profile, [d.name for d in self.drafters], s.max_batch)
         self.acceptance_maps = _acceptance_maps(s.profile)
@@ -231,8 +232,9 @@ def _acceptance_maps(profile: str | None) -> dict[str, AcceptanceMap]:
     return {} if profile is None else {m.drafter: m for m in Profile.load(Path(profile)).acceptance_maps}
 
 
-def _seeded_costs(loaded: LoadedModel, settings: BackendSettings) -> StepCosts | None:
-    """The step-cost table from the profile, so no request waits for a timing probe."""
+def _seeded_costs(loaded: LoadedModel, settings: BackendSettings, max_width: int = 0) -> StepCosts | None:
+    """The step-cost table from the profile, so no request waits for a timing probe (widths up to
+    `max_width` it did not measure are probed at start)."""
     if settings.profile is None:
         return None
-    return seeded_step_costs(loaded, Profile.load(Path(settings.profile)).target, settings)
+    return seeded_step_costs(loaded, Profile.load(Path(settings.profile)).target, settings, max_width)

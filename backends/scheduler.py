@@ -17,7 +17,11 @@ Every `step`:
    drafts, after every draft step, from the predicted acceptance of what it drew so far; and once
    drafted, from each drafted position's predicted acceptance (`speculative.acceptance`), so a
    proposal whose expected gain does not pay for the wider pass is cut short or not verified at
-   all. Rows for which drafting does not pay ride the same pass as plain rows;
+   all. Rows for which drafting does not pay ride the same pass as plain rows. A structured
+   drafter's row (lookahead) feeds one block holding its Jacobi window and several candidate
+   continuations, verified by the multi-candidate rule, the accepted branch's keys kept; with
+   k = auto it runs while a pass that wide is expected to emit more tokens per second than a
+   1-token pass;
 4. tokens go out one at a time through each row's listener as they are produced, and a row that
    finishes (EOS, a stop string, max_tokens) leaves at once and frees its cache blocks.
 
@@ -46,7 +50,7 @@ import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from policies.cost_model import RowOutlook, plan_step
+from policies.cost_model import RowOutlook, plan_step, tokens_per_step
 from policies.profile import AcceptanceMap, CostCurve
 from policies.quantization import REDUCED_PRECISION
 
@@ -59,8 +63,15 @@ from .plain import PlainEngine
 from .sampling import new_generator, sample_tokens, target_probs
 from .speculative.acceptance import AcceptancePredictor, refine_offset
 from .speculative.control import DraftCosts, DraftOutlook, RateEstimate, StepCosts, batch_bucket
-from .speculative.drafters import Drafter, DraftJudge, DraftRow, Proposal
-from .speculative.rejection import accept_greedy, accept_sampled
+from .speculative.drafters import Drafter, DraftJudge, DraftRow, Proposal, StructuredDraft
+from .speculative.rejection import (
+    CandidateVerdict,
+    accept_candidates_greedy,
+    accept_candidates_sampled,
+    accept_greedy,
+    accept_sampled,
+    candidate_chains,
+)
 from .speculative.stats import SpeculationStats
 
 log = logging.getLogger("specroute.scheduler")
@@ -163,6 +174,7 @@ class _Drafting:
 class _Verified:
     accepted: list[int]
     emitted: list[list[int]]
+    branches: list[int] = field(default_factory=list)  # structured rows: the candidate kept (else 0)
 
 
 @dataclass
@@ -175,6 +187,7 @@ class _Proposed:
     predicted: list[np.ndarray]
     q: torch.Tensor | None
     drafting: _Drafting
+    structured: list[StructuredDraft | None]  # rows whose proposal is a structured block
 
 
 class Scheduler:
@@ -207,10 +220,15 @@ class Scheduler:
         self.default_drafter = drafters[0].name if drafters else None
         self.k, self.k_max = k, (k_max if k == "auto" else int(k))
         self.tile = self.settings.tile(loaded.info.dtype)
-        if drafters and self.tile is not None and self.k_max + 1 > self.tile:
+        # The widest pass a step may run: k_max drafts after the newest token, or a structured block.
+        self.widest = max([self.k_max + 1, *(d.widest_block for d in drafters)])
+        if drafters and self.tile is not None and self.widest > self.tile:
+            structured = [d.name for d in drafters if d.widest_block > self.tile]
+            needs = f"drafter {structured[0]}" if structured else f"k_max {self.k_max}"
             raise RequestError(
-                f"k_max {self.k_max} needs passes of {self.k_max + 1} positions; width-invariant passes here are "
-                f"{self.tile} wide: lower k (or k_max), or raise tile_width for every backend of this target"
+                f"{needs} needs passes of {self.widest} positions; width-invariant passes here are {self.tile} "
+                "wide: lower k (or k_max, or the lookahead window), or raise tile_width for every backend of "
+                "this target"
             )
         layers = sorted({i for d in drafters for i in d.feature_layers})
         self.cache = PagedCache(
@@ -220,9 +238,9 @@ class Scheduler:
             tile=self.tile,
             tile_rows=self.settings.tile_max_rows,
         )
-        self.costs = costs if costs is not None or not drafters else step_costs(loaded, self.k_max + 1, self.settings)
-        if self.costs is not None and self.costs.max_width < self.k_max + 1:
-            raise ValueError(f"the step-cost table covers widths up to {self.costs.max_width}, need {self.k_max + 1}")
+        self.costs = costs if costs is not None or not drafters else step_costs(loaded, self.widest, self.settings)
+        if self.costs is not None and self.costs.max_width < self.widest:
+            raise ValueError(f"the step-cost table covers widths up to {self.costs.max_width}, need {self.widest}")
         seeded = draft_costs or {}
         self.drafter_costs = {name: copy.deepcopy(seeded.get(name, DraftCosts())) for name in self.drafters}
         self.drafter_totals = {name: SpeculationStats(drafter=name, k_mode=str(k)) for name in self.drafters}
@@ -391,6 +409,7 @@ class Scheduler:
         live = [b for b, r in enumerate(rows) if not r.done]  # a drafter failure ended some rows
         rows, ks = [rows[b] for b in live], [ks[b] for b in live]
         drafts, q, drafting = [proposed.drafts[b] for b in live], proposed.q, proposed.drafting
+        structured = [proposed.structured[b] for b in live]
         features, predicted = [proposed.features[b] for b in live], [proposed.predicted[b] for b in live]
         if not rows:
             return
@@ -405,21 +424,32 @@ class Scheduler:
         if q is not None and len(live) < len(q):  # (B, K, V) is large: copy it only when rows left
             q = q[live]
         drafted_at = time.perf_counter()
-        batch, longest = len(rows), 1 + max(len(d) for d in drafts)
+        blocks = [
+            s.tokens if s is not None else [r.state.token_ids[-1], *d]
+            for r, d, s in zip(rows, drafts, structured, strict=True)
+        ]
+        batch, longest = len(rows), max(len(b) for b in blocks)
         width = self.costs.cheapest_width(batch, longest) if self.costs is not None and longest > 1 else longest
         before = [self.cache.length(r.seq) for r in rows]
-        blocks = [[r.state.token_ids[-1], *d] for r, d in zip(rows, drafts, strict=True)]
+        shapes = [s.structure if s is not None else None for s in structured] if any(structured) else None
         try:
-            logits = self.cache.logits([r.seq for r in rows], blocks, width)
+            logits = self.cache.logits([r.seq for r in rows], blocks, width, structures=shapes)
             if logits.is_cuda:  # kernels run asynchronously: wait for them before reading the clock
                 torch.cuda.synchronize(logits.device)
             forward_s = time.perf_counter() - drafted_at
-            verified = self._verify(rows, drafts, q, logits)
+            verified = self._verify(rows, drafts, q, logits, structured)
         except Exception as exc:
             self._fail_all(rows, exc)
             return
-        for row, start, n in zip(rows, before, verified.accepted, strict=True):
-            self.cache.truncate(row.seq, start + 1 + n)
+        for row, start, n, s, branch in zip(
+            rows, before, verified.accepted, structured, verified.branches, strict=True
+        ):
+            if s is None:
+                self.cache.truncate(row.seq, start + 1 + n)
+            else:  # the root and the accepted branch's tokens stay, moved into place
+                self.cache.keep_branch(row.seq, start, [0, *s.branches[branch][:n]] if s.branches else [0])
+        if shapes is not None:
+            self._observe_blocks(rows, structured, logits)
         self._observe(rows, ks, drafts, verified.accepted, asked)
         self._observe_declined(rows, ks, drawn, first)
         self._learn(rows, drafts, features, predicted, verified.accepted)
@@ -455,9 +485,27 @@ class Scheduler:
         planned = plan_step(outlooks, pass_s, draft_s, self.k_max, catch_up)
         # Asking a free drafter costs nothing: its proposal is judged once it exists.
         return [
-            cap if r.drafter is not None and r.drafter.free else k
+            self._looks_ahead(r, cap, pass_s)
+            if r.drafter is not None and r.drafter.widest_block
+            else cap
+            if r.drafter is not None and r.drafter.free
+            else k
             for r, k, cap in zip(rows, planned, caps, strict=True)
         ]
+
+    @staticmethod
+    def _looks_ahead(row: Row, cap: int, pass_s: list[float]) -> int:
+        """k = auto for a structured drafter's row (lookahead): its block widens the pass to the
+        drafter's widest_block whatever the pool holds, so it runs only while a pass that wide is
+        expected to emit more tokens per second than a 1-token pass — tokens per step from α (drawn
+        from the row's estimate, so a row that stopped keeps a chance to retry) and ρ."""
+        assert row.drafter is not None and row.outlook is not None
+        if not cap:
+            return 0
+        width = min(row.drafter.widest_block, len(pass_s))
+        proposed = min(cap, row.drafter.max_draft or cap)
+        gain = tokens_per_step(row.outlook.alpha.sample(row.rng), proposed, row.outlook.proposal.mean)
+        return cap if gain * pass_s[0] > pass_s[width - 1] else 0
 
     def _pass_seconds(self, batch: int) -> list[float]:
         assert self.costs is not None
@@ -518,6 +566,8 @@ class Scheduler:
         left = state.request.max_tokens - len(state.token_ids)
         room = (self.plain.context_length or 1 << 30) - row.draft.length
         fits = self.settings.max_step_tokens // batch  # the step's token budget bounds the pass width
+        if row.drafter.widest_block > fits:  # a structured block is all or nothing
+            return 0
         # A step emits up to k + 1 tokens: never draft past max_tokens or the context.
         return max(0, min(k, left - 1, room - 1, fits - 1))
 
@@ -528,6 +578,7 @@ class Scheduler:
         drafts: list[list[int]] = [[] for _ in rows]
         features, predicted = [np.zeros((0, 0)) for _ in rows], [np.zeros(0) for _ in rows]
         proposals: dict[str, tuple[list[int], Proposal]] = {}
+        structured: list[StructuredDraft | None] = [None for _ in rows]
         drafting = _Drafting()
         for name, drafter in self.drafters.items():
             group = [b for b, r in enumerate(rows) if r.drafter is drafter and ks[b] > 0]
@@ -552,14 +603,21 @@ class Scheduler:
             proposals[name] = (group, proposal)
             for b, tokens in zip(group, proposal.tokens, strict=True):
                 drafts[b] = list(tokens[: ks[b]])
-        return _Proposed(drafts, features, predicted, self._draft_probs(rows, drafts, proposals), drafting)
+            for b, block in zip(group, proposal.structured or [], strict=False):
+                structured[b] = block
+        q = self._draft_probs(rows, drafts, proposals, structured)
+        return _Proposed(drafts, features, predicted, q, drafting, structured)
 
     def _draft_probs(
-        self, rows: list[Row], drafts: list[list[int]], proposals: dict[str, tuple[list[int], Proposal]]
+        self,
+        rows: list[Row],
+        drafts: list[list[int]],
+        proposals: dict[str, tuple[list[int], Proposal]],
+        structured: list[StructuredDraft | None],
     ) -> torch.Tensor | None:
-        """q (B, K, V) for the sampling rows' drafts: a drafter's own q, one-hot for deterministic
-        drafts. None when no sampling row drafted."""
-        sampled = [b for b, r in enumerate(rows) if not r.draft.sampling.greedy and drafts[b]]
+        """q (B, K, V) for the sampling rows' drafted chains: a drafter's own q, one-hot for
+        deterministic drafts. None when no sampling row drafted a chain."""
+        sampled = [b for b, r in enumerate(rows) if not r.draft.sampling.greedy and drafts[b] and structured[b] is None]
         if not sampled:
             return None
         width = max(len(d) for d in drafts)
@@ -577,6 +635,64 @@ class Scheduler:
         return q
 
     def _verify(
+        self,
+        rows: list[Row],
+        drafts: list[list[int]],
+        q: torch.Tensor | None,
+        logits: torch.Tensor,
+        structured: list[StructuredDraft | None],
+    ) -> _Verified:
+        """Accepted count and emitted tokens per row: chains as `_verify_chains`, structured blocks
+        by the multi-candidate rule (`_verify_candidates`). A structured row's entry in `drafts`
+        becomes the candidate it judged, so the books count what was verified."""
+        chains = [b for b, s in enumerate(structured) if s is None]
+        if len(chains) == len(rows):
+            return self._verify_chains(rows, drafts, q, logits)
+        verified = _Verified([0] * len(rows), [[] for _ in rows], [0] * len(rows))
+        if chains:
+            part = self._verify_chains(
+                [rows[b] for b in chains],
+                [drafts[b] for b in chains],
+                None if q is None else q[chains],
+                logits[chains],
+            )
+            for j, b in enumerate(chains):
+                verified.accepted[b], verified.emitted[b] = part.accepted[j], part.emitted[j]
+        for b, s in enumerate(structured):
+            if s is None:
+                continue
+            verdict = self._verify_candidates(rows[b], s, logits[b, : len(s.tokens)])
+            drafts[b] = list(s.candidates[verdict.branch]) if s.candidates else []
+            accepted = drafts[b][: verdict.accepted]
+            verified.accepted[b], verified.branches[b] = verdict.accepted, verdict.branch
+            verified.emitted[b] = [*accepted, verdict.next_token]
+        return verified
+
+    @staticmethod
+    def _verify_candidates(row: Row, structured: StructuredDraft, logits: torch.Tensor) -> CandidateVerdict:
+        """One row's structured block (logits (L, V)): the candidate prefix the target keeps and
+        its next token — the argmax chain for a greedy row, SpecInfer's rule for a sampling one."""
+        if row.draft.sampling.greedy:
+            return accept_candidates_greedy(
+                structured.candidates, candidate_chains(logits.argmax(-1), structured.branches)
+            )
+        p = target_probs(logits.unsqueeze(0), [row.draft.sampling])[0]
+        chains = candidate_chains(p, structured.branches)
+        return accept_candidates_sampled(structured.candidates, chains, row.draft.generator)
+
+    def _observe_blocks(self, rows: list[Row], structured: list[StructuredDraft | None], logits: torch.Tensor) -> None:
+        """Drafters of structured blocks read the target's argmax over their blocks."""
+        for drafter in self.drafters.values():
+            group = [
+                b
+                for b, (r, s) in enumerate(zip(rows, structured, strict=True))
+                if s is not None and r.drafter is drafter
+            ]
+            if group:
+                argmax = [logits[b, : len(structured[b].tokens)].argmax(-1) for b in group]
+                self._guarded(drafter.observe_block, [rows[b] for b in group], argmax)
+
+    def _verify_chains(
         self, rows: list[Row], drafts: list[list[int]], q: torch.Tensor | None, logits: torch.Tensor
     ) -> _Verified:
         """Accepted count and emitted tokens per row: greedy rows by argmax, sampling rows exactly
@@ -586,7 +702,7 @@ class Scheduler:
         if draft_width == 0:  # a plain step: the same draws as the plain engine
             params, gens = [r.draft.sampling for r in rows], [r.draft.generator for r in rows]
             tokens = sample_tokens(logits[:, 0], params, gens).tolist()
-            return _Verified([0] * len(rows), [[int(t)] for t in tokens])
+            return _Verified([0] * len(rows), [[int(t)] for t in tokens], [0] * len(rows))
         padded = torch.zeros((len(drafts), draft_width), dtype=torch.long, device=logits.device)
         for b, d in enumerate(drafts):
             padded[b, : len(d)] = torch.tensor(d, dtype=torch.long)
@@ -603,7 +719,7 @@ class Scheduler:
             accepted[sampled], next_tokens[sampled] = accept_sampled(padded[sampled], lengths[sampled], p, q_rows, gens)
         counts = accepted.tolist()
         emitted = [d[:n] + [int(t)] for d, n, t in zip(drafts, counts, next_tokens.tolist(), strict=True)]
-        return _Verified(counts, emitted)
+        return _Verified(counts, emitted, [0] * len(rows))
 
     def _observe(
         self, rows: list[Row], ks: list[int], drafts: list[list[int]], accepted: list[int], asked: list[int]
@@ -764,10 +880,12 @@ def step_costs(loaded: LoadedModel, max_width: int, settings: LoopSettings | Non
     return StepCosts(probe, max_width=max_width)
 
 
-def seeded_step_costs(loaded: LoadedModel, curve: CostCurve, settings: LoopSettings | None = None) -> StepCosts:
+def seeded_step_costs(
+    loaded: LoadedModel, curve: CostCurve, settings: LoopSettings | None = None, max_width: int = 0
+) -> StepCosts:
     """The step-cost table started from a measured curve (a profile's), so no request waits for a
-    timing probe."""
-    costs = step_costs(loaded, curve.max_width, settings)
+    timing probe; widths up to `max_width` the curve lacks are probed on first use."""
+    costs = step_costs(loaded, max(curve.max_width, max_width), settings)
     for b, row in zip(curve.batches, curve.seconds, strict=True):
         if b & (b - 1) == 0:  # the table is keyed by power-of-two buckets
             costs.target_s.update({(b, w): s for w, s in zip(curve.widths, row, strict=True)})

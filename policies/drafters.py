@@ -72,6 +72,14 @@ REGISTRY: tuple[DrafterSpec, ...] = (
         benched=False,
     ),
     DrafterSpec(
+        kind="lookahead",
+        summary="lookahead decoding: the target's own Jacobi window, run in the verifying pass, yields n-grams",
+        build=f"{_SPEC}.lookahead:build_lookahead",
+        options=("lookahead_window", "lookahead_ngram", "lookahead_guesses"),
+        name="{kind}-{lookahead_window}x{lookahead_ngram}x{lookahead_guesses}",
+        benched=False,  # its default block is wider than bfloat16's default tile: `--drafters lookahead` asks
+    ),
+    DrafterSpec(
         kind="eagle",
         summary="a trained EAGLE head drafting on the target's features",
         build=f"{_SPEC}.trained_drafters:build_eagle",
@@ -155,6 +163,16 @@ class DrafterConfig(BaseModel):
         "model under a bfloat16/float16 target, which runs weight-only quantized (the method its weights fit)",
     )
     exit_layer: int = Field(4, ge=1, description="how many of the target's layers the untrained early exit uses")
+    lookahead_window: int = Field(4, ge=1, le=32, description="lookahead: Jacobi window width W (columns)")
+    lookahead_ngram: int = Field(
+        3, ge=2, le=8, description="lookahead: n-gram size N (the window has N − 1 levels; candidates N − 1 tokens)"
+    )
+    lookahead_guesses: int = Field(
+        4,
+        ge=1,
+        le=32,
+        description="lookahead: most candidate n-grams G verified per step (a pass is 1 + (W + G)(N − 1) wide)",
+    )
     weights: str = Field(
         "default",
         description="trained drafters: 'default' (shipped for the embedded model), a directory from "

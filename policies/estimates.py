@@ -13,9 +13,10 @@ from .cost_model import (
     effective_verify_costs,
     elasticity,
     per_token_seconds,
+    speedup,
     tokens_per_step,
 )
-from .profile import DrafterProfile, Profile
+from .profile import DrafterProfile, Profile, ProfileError
 
 Backend = Literal["speculative", "plain", "quantized"]
 BACKENDS: tuple[Backend, ...] = get_args(Backend)
@@ -83,10 +84,8 @@ def speculative_candidate(
     k_range: tuple[int, int],
 ) -> Candidate:
     """The best k in k_range at this concurrency and what it buys over plain decoding."""
-    verify = costs.verify_costs(batch)
-    c = costs.draft_cost(drafter, batch)
-    k, gain = best_speculative_k(alpha, c, verify, k_range[0], k_range[1], proposal_rate, batch)
-    token_s = per_token_seconds(costs.step_s(batch), alpha, k, c, verify[k], proposal_rate, batch, verify[0])
+    k, c, v, v_plain, gain = speculation_at(costs, drafter, alpha, proposal_rate, batch, k_range)
+    token_s = per_token_seconds(costs.step_s(batch), alpha, k, c, v, proposal_rate, batch, v_plain)
     return _candidate("speculative", costs.ttft_s(prompt_tokens), token_s, batch, max_tokens, speedup=gain).model_copy(
         update={
             "drafter": drafter.name,
@@ -96,9 +95,35 @@ def speculative_candidate(
             "k": k,
             "expected_tokens": tokens_per_step(alpha, k, proposal_rate),
             "c": c,
-            "v": verify[k],
+            "v": v,
         }
     )
+
+
+def speculation_at(
+    costs: ProfileCosts,
+    drafter: DrafterProfile,
+    alpha: float,
+    proposal_rate: float,
+    batch: int,
+    k_range: tuple[int, int],
+) -> tuple[int, float, float, float, float]:
+    """(k, c, v, v without a proposal, speedup) of this drafter's best speculation at this
+    concurrency. A structured drafter (lookahead) has no k to choose: each of its steps runs its
+    block_width-wide pass, proposal or not, and verifies up to block_draft tokens (within k_max)."""
+    c = costs.draft_cost(drafter, batch)
+    if drafter.block_width is None or drafter.block_draft is None:
+        verify = costs.verify_costs(batch)
+        k, gain = best_speculative_k(alpha, c, verify, k_range[0], k_range[1], proposal_rate, batch)
+        return k, c, verify[k], verify[0], gain
+    if drafter.block_width > costs.target.max_width:
+        raise ProfileError(
+            f"{drafter.name} runs passes of {drafter.block_width} positions; the profile measured up to "
+            f"{costs.target.max_width} (profile again with it among --drafters)"
+        )
+    v = costs.target.at(batch, drafter.block_width) / costs.step_s(batch)
+    k = min(drafter.block_draft, k_range[1])
+    return k, c, v, v, speedup(alpha, k, c, v, proposal_rate, batch, v)
 
 
 def quantized_candidate(costs: ProfileCosts, batch: int, prompt_tokens: int, max_tokens: int) -> Candidate | None:
@@ -132,8 +157,6 @@ def speculation_break_even(
     assert candidate.alpha is not None
 
     def best(b: int) -> float:
-        verify = costs.verify_costs(b)
-        c = costs.draft_cost(drafter, b)
-        return best_speculative_k(candidate.alpha, c, verify, k_range[0], k_range[1], candidate.proposal_rate, b)[1]
+        return speculation_at(costs, drafter, candidate.alpha, candidate.proposal_rate, b, k_range)[4]
 
     return break_even_concurrency(best, b_max)

@@ -159,7 +159,10 @@ def _speculative_candidates(
         if rho is None:
             rho = costs.profile.proposal_rate(drafter.name, features.category if _profiled(features, costs) else None)
         args = (costs, drafter, alpha.alpha, alpha.source, rho, b, features.prompt_tokens, features.max_tokens)
-        out.append(speculative_candidate(*args, k_range=ks))
+        try:
+            out.append(speculative_candidate(*args, k_range=ks))
+        except ProfileError as exc:  # a structured drafter's pass the profile did not measure
+            reasons.append(f"speculation: {exc}")
     return out
 
 

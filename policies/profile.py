@@ -103,11 +103,20 @@ class DrafterProfile(_Frozen):
     weight_bytes: int | None = Field(
         None, ge=0, description="memory its weights add to a replica beyond the target's (None: not recorded)"
     )
+    block_width: int | None = Field(
+        None,
+        ge=2,
+        description="a structured drafter (lookahead): every step's pass is this many positions wide, whatever "
+        "it proposes (None: a chain drafter, k + 1 wide)",
+    )
+    block_draft: int | None = Field(None, ge=1, description="a structured drafter: the most tokens it verifies a step")
 
     @model_validator(mode="after")
     def _shape(self) -> DrafterProfile:
         if len(self.batches) != len(self.step_seconds) or self.batches != sorted(set(self.batches)):
             raise ValueError("one step time per strictly increasing batch size")
+        if (self.block_width is None) != (self.block_draft is None):
+            raise ValueError("a structured drafter records both block_width and block_draft")
         if any(s < 0 or not math.isfinite(s) for s in self.step_seconds):
             raise ValueError("draft step times must be non-negative numbers")
         return self

@@ -171,7 +171,9 @@ def _runners(
     step-cost table every speculative engine shares (probed once); each drafter's auto-k engine;
     and how its acceptance map, fitted on the project set, scored there."""
     plain = PlainEngine(loaded)
-    costs = step_costs(loaded, max_width=max(config.k_max, *config.fixed_k) + 1)
+    drafters = {kind: build_drafter(config.drafter.of(kind), loaded) for kind in config.drafters}
+    widest = max([max(config.k_max, *config.fixed_k) + 1, *(d.widest_block for d in drafters.values())])
+    costs = step_costs(loaded, max_width=widest)
     runners: dict[str, Runner] = {PLAIN: lambda r: plain.generate([r])[0]}
     if LoopSettings().tile(loaded.info.dtype) is not None:
         # Reduced precision: the exact reference is the plain step loop, width-invariant as the plain
@@ -187,9 +189,9 @@ def _runners(
     pairs: dict[str, str] = {}
     autos: dict[str, SpeculativeEngine] = {}
     scores: list[CalibrationScore] = []
-    for kind in config.drafters:
-        drafter = build_drafter(config.drafter.of(kind), loaded)
-        fitted = _calibrate(loaded, drafter, costs, config) if config.calibrate else None
+    for kind, drafter in drafters.items():
+        # A structured drafter (lookahead) reports no per-position features: no map to fit.
+        fitted = _calibrate(loaded, drafter, costs, config) if config.calibrate and not drafter.widest_block else None
         if fitted is not None and fitted.brier is not None:
             scores.append(_map_score(kind, fitted))
         for k in (*config.fixed_k, "auto"):  # a fresh drafter per engine, sharing any draft model

@@ -135,13 +135,14 @@ def default_profile_path(model: str = "embedded", dtype: str = "float32", device
 def run_profile(config: ProfileConfig, progress: bool = True, log: Callable[[str], None] = print) -> Profile:
     loaded = load_model(config.model, dtype=config.dtype, device=config.device, threads=config.threads)
     seed = usable_seed(loaded, config, log)
-    widths = list(range(1, config.max_width + 1))
+    built = {kind: build_drafter(config.drafter.of(kind), loaded) for kind in config.drafters}
+    # A structured drafter's pass (lookahead's block) may be wider than any k asks for: measure it too.
+    widths = list(range(1, max([config.max_width, *(d.widest_block for d in built.values())]) + 1))
     target = measure_curve(loaded, config, widths, "target t(b, n)", progress)
     prefill = measure_prefill(loaded, config.prefill_lengths, progress)
     costs = seeded_step_costs(loaded, target)
     drafters, acceptance, samples, shipped, maps = [], [], [], [], []
-    for kind in config.drafters:
-        drafter = build_drafter(config.drafter.of(kind), loaded)
+    for kind, drafter in built.items():
         engine = SpeculativeEngine(loaded, drafter, k=config.acceptance_k, costs=costs)
         if seed is not None and seed_fits(seed, config, kind, drafter.name):
             measured, prompt_samples, in_run = timed_seed(engine, config, seed, progress)
@@ -513,8 +514,14 @@ def drafter_profile(
     probe does not see). Prompt lookup runs no model: its in-run cost per bucket is kept as is."""
     extra = added_weight_bytes(drafter, loaded.model)
     if not isinstance(drafter, ModelDrafter):
+        block = {"block_width": drafter.widest_block, "block_draft": drafter.max_draft} if drafter.widest_block else {}
         return DrafterProfile(
-            name=drafter.name, kind=kind, batches=list(in_run), step_seconds=list(in_run.values()), weight_bytes=extra
+            name=drafter.name,
+            kind=kind,
+            batches=list(in_run) or [1],
+            step_seconds=list(in_run.values()) or [0.0],  # a drafter that never drafted spent nothing drafting
+            weight_bytes=extra,
+            **block,
         )
     probed = [
         measure_step_times(drafter.model, b, [1], config.context_tokens, config.repeats, config.enough_s)[1]

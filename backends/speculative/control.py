@@ -37,8 +37,10 @@ class StepCosts:
         """Probe every bucket a batch of this size can shrink through, so no probe stalls a run."""
         bucket = batch_bucket(batch)
         while bucket >= 1:
-            if (bucket, 1) not in self.target_s:
-                measured = self.probe(bucket, list(range(1, self.max_width + 1)))
+            # Widths a seeding profile did not measure (a lookahead block wider than its curve) are probed too.
+            missing = [w for w in range(1, self.max_width + 1) if (bucket, w) not in self.target_s]
+            if missing:
+                measured = self.probe(bucket, missing)
                 self.target_s.update({(bucket, w): s for w, s in measured.items()})
             bucket //= 2
 

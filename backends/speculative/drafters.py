@@ -26,7 +26,7 @@ from policies.drafters import DrafterConfig, drafter_name
 from policies.quantization import WEIGHT_ONLY
 
 from ..errors import ModelLoadError
-from ..kv import UNBOUNDED_TOKENS, PagedCache, check_full_attention
+from ..kv import UNBOUNDED_TOKENS, BlockStructure, PagedCache, check_full_attention
 from ..models import LoadedModel, load_model
 from ..sampling import SamplingParams, draw, target_probs
 from .acceptance import CONFIDENCE_FEATURES, NGRAM_FEATURES, confidence_features
@@ -60,6 +60,19 @@ class DraftRow:
         return self.prompt_ids[start:] + self.token_ids[: stop - split]
 
 
+@dataclass(frozen=True)
+class StructuredDraft:
+    """A proposal that is not one chain: several deterministic candidate continuations of the
+    row's newest token in one block, beside positions the drafter runs for itself (lookahead's
+    Jacobi window). Block index 0 is the newest token; the step loop verifies the candidates with
+    the multi-candidate rule and keeps the accepted branch's keys and values."""
+
+    tokens: list[int]
+    structure: BlockStructure
+    candidates: list[list[int]]
+    branches: list[list[int]]  # block indices of each candidate's tokens, in order
+
+
 @dataclass
 class Proposal:
     tokens: list[list[int]]  # per row, at most the k asked for (possibly none)
@@ -67,6 +80,8 @@ class Proposal:
     # Per row, (len(tokens[b]), f): what each drafted position's acceptance is predicted from,
     # computed before its token was drawn. None: the drafter reports none.
     features: list[np.ndarray] | None = None
+    # Per row, its structured block (then tokens[b] is its longest candidate, for the books).
+    structured: list[StructuredDraft | None] | None = None
 
 
 class Drafter(ABC):
@@ -81,6 +96,8 @@ class Drafter(ABC):
     max_draft: int | None = None  # the most tokens one proposal can hold (None: no limit)
     acceptance_features: tuple[str, ...] = CONFIDENCE_FEATURES  # what Proposal.features holds
     free: bool = False  # drafting costs next to nothing (no model runs): always worth asking
+    # Positions of this drafter's widest structured block (0: it drafts chains, k + 1 wide).
+    widest_block: int = 0
 
     @abstractmethod
     def propose(self, rows: Sequence[DraftRow], ks: Sequence[int], judge: DraftJudge | None = None) -> Proposal:
@@ -90,6 +107,11 @@ class Drafter(ABC):
 
     def observe(self, rows: Sequence[DraftRow], accepted: Sequence[int]) -> None:  # noqa: B027 - optional hook
         """How many of the last proposal's tokens each of its rows accepted (roll back the rest)."""
+
+    def observe_block(self, rows: Sequence[DraftRow], argmax: Sequence[torch.Tensor]) -> None:  # noqa: B027
+        """Per row that verified a structured block this step, the target's argmax at every
+        position of that block (what lookahead's window learns from), before any token of it is
+        appended."""
 
     def backlog(self, row: DraftRow) -> int:
         """Tokens of the row's context this drafter would have to read before drafting (a row
@@ -255,6 +277,11 @@ class ModelDrafter(Drafter):
         state = self.sequences.pop(key, None)
         if state is not None:
             self._cache().remove(state.seq)
+
+    def observe_block(self, rows: Sequence[DraftRow], argmax: Sequence[torch.Tensor]) -> None:  # noqa: B027
+        """Per row that verified a structured block this step, the target's argmax at every
+        position of that block (what lookahead's window learns from), before any token of it is
+        appended."""
 
     def backlog(self, row: DraftRow) -> int:
         state = self.sequences.get(row.key)

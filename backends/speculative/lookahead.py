@@ -1,6 +1,7 @@
 """Lookahead decoding's parts (Fu et al., "Break the Sequential Dependency of LLM Inference Using
 Lookahead Decoding", 2024): a Jacobi window whose trajectories yield n-grams, a pool of them, and
-the one structured block that runs the window and verifies the pool's candidates in one target pass.
+the one structured block that runs the window and verifies the pool's candidates in one target pass,
+and the drafter the step loop serves it as.
 
 The window holds N − 1 levels of W guessed tokens. Level l, column i stands at position root + 1 +
 i + l and sees the root, level 0's columns up to i and its own column's levels below it — so each
@@ -8,8 +9,9 @@ column reads as a run of consecutive guesses, and the target's prediction after 
 i completes an n-gram: the column's N − 1 tokens and that prediction. The window then drops its
 oldest level and the predictions become its newest (a Jacobi step). The pool keeps the n-grams by
 first token; those starting with the root are the candidates the same pass verifies, each a branch
-that sees only the root and itself. Nothing here decides what is emitted: verification is
-`rejection.accept_candidates_*`, exact whatever the window guessed.
+that sees only the root and itself. Nothing here decides what is emitted: the step loop verifies
+the candidates with `rejection.accept_candidates_*`, exact whatever the window guessed, and keeps
+the accepted branch's keys and values (`PagedCache.keep_branch`).
 """
 
 from __future__ import annotations
@@ -20,8 +22,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kv import BlockStructure, PagedCache
-from .rejection import accept_candidates_greedy
+from policies.drafters import DrafterConfig
+
+from ..kv import BlockStructure
+from ..models import LoadedModel
+from .drafters import Drafter, DraftJudge, DraftRow, Proposal, StructuredDraft, named
 
 
 class NgramPool:
@@ -78,12 +83,9 @@ class JacobiWindow:
 
 
 @dataclass(frozen=True)
-class LookaheadBlock:
+class LookaheadBlock(StructuredDraft):
     """One pass's block for a row: the root, the candidates' branches, then the window."""
 
-    tokens: list[int]
-    structure: BlockStructure
-    branches: list[list[int]]  # block indices of each candidate's tokens (the root is index 0)
     top_level: list[int]  # block indices of the window's top level, column by column
 
 
@@ -108,58 +110,84 @@ def lookahead_block(root: int, candidates: Sequence[Sequence[int]], window: Jaco
             sees[at, [base + window.index(0, j) for j in range(column + 1)]] = True
             sees[at, [base + window.index(lower, column) for lower in range(1, level)]] = True
     top = [base + window.index(window.ngram - 2, i) for i in range(window.window)]
-    return LookaheadBlock(tokens, BlockStructure(torch.tensor(offsets), sees), branches, top)
+    structure = BlockStructure(torch.tensor(offsets), sees)
+    return LookaheadBlock(tokens, structure, [list(c) for c in candidates], branches, top)
+
+
+def block_width(window: int, ngram: int, guesses: int) -> int:
+    """Positions of the widest lookahead block: the root, G candidates and the window."""
+    return 1 + (window + guesses) * (ngram - 1)
 
 
 @dataclass
-class LookaheadRun:
-    """What a lookahead decode emitted and how: target passes and tokens accepted from candidates."""
+class _Lookahead:
+    """One sequence's window and pool, and the block its last proposal ran."""
 
-    tokens: list[int]
-    passes: int = 0
-    accepted: int = 0
-    pass_width: int = 0  # the widest pass
-
-
-@torch.inference_mode()
-def lookahead_greedy(
-    cache: PagedCache, prompt: Sequence[int], max_tokens: int, window: int, ngram: int, guesses: int, seed: int = 0
-) -> LookaheadRun:
-    """Greedy decoding of one sequence by lookahead: every step one structured pass verifies the
-    pool's candidates for the last token and advances the Jacobi window; the output is the target's
-    greedy continuation token for token (`accept_candidates_greedy`), `max_tokens` of it."""
-    seq = cache.add()
-    try:
-        run = LookaheadRun([int(cache.last_logits([seq], [list(prompt)])[0].argmax())], passes=1)
-        jacobi, pool = JacobiWindow(window, ngram, prompt, random.Random(seed)), NgramPool(guesses)
-        while len(run.tokens) < max_tokens:
-            root = run.tokens[-1]
-            candidates = pool.candidates(root, guesses)
-            block = lookahead_block(root, candidates, jacobi)
-            start = cache.length(seq)
-            argmax = cache.logits([seq], [block.tokens], structures=[block.structure])[0].argmax(dim=-1)
-            verdict = accept_candidates_greedy(candidates, _chains(argmax, block.branches))
-            kept = block.branches[verdict.branch][: verdict.accepted] if candidates else []
-            cache.keep_branch(seq, start, [0, *kept])
-            for completed in jacobi.advance(argmax[block.top_level].tolist()):
-                pool.add(completed)
-            accepted = candidates[verdict.branch][: verdict.accepted] if candidates else []
-            run.tokens += [*accepted, verdict.next_token]
-            run.passes += 1
-            run.accepted += len(accepted)
-            run.pass_width = max(run.pass_width, len(block.tokens))
-    finally:
-        cache.remove(seq)
-    del run.tokens[max_tokens:]
-    return run
+    window: JacobiWindow
+    pool: NgramPool
+    block: LookaheadBlock | None = None
 
 
-def _chains(argmax: torch.Tensor, branches: list[list[int]]) -> torch.Tensor:
-    """(G, L + 1): the target's argmax after the root and after each of a branch's tokens."""
-    if not branches:
-        return argmax[:1].unsqueeze(0)
-    longest = max(len(b) for b in branches)
-    chains = torch.zeros((len(branches), longest + 1), dtype=torch.long)
-    for g, branch in enumerate(branches):
-        chains[g, : len(branch) + 1] = argmax[[0, *branch]]
-    return chains
+class LookaheadDrafter(Drafter):
+    """Lookahead decoding as a drafter: no draft model; each proposal is one structured block
+    (`lookahead_block`) whose window the target runs in the verifying pass itself, and whose
+    candidates — the pool's n-grams starting with the newest token, cut to the k asked for — the
+    step loop verifies with the multi-candidate rule. Drafting is bookkeeping (free); what it costs
+    is the wider pass, 1 + (W + G)·(N − 1) positions."""
+
+    name = "lookahead"  # the registry's builder names it with its W, N and G
+    free = True
+
+    def __init__(self, window: int, ngram: int, guesses: int):
+        if window < 1 or ngram < 2 or guesses < 1:
+            raise ValueError(f"lookahead needs W ≥ 1, N ≥ 2 and G ≥ 1 (got W={window}, N={ngram}, G={guesses})")
+        self.window, self.ngram, self.guesses = window, ngram, guesses
+        self.max_draft = ngram - 1
+        self.widest_block = block_width(window, ngram, guesses)
+        self._rows: dict[int, _Lookahead] = {}
+
+    def propose(self, rows: Sequence[DraftRow], ks: Sequence[int], judge: DraftJudge | None = None) -> Proposal:
+        tokens, structured = [], []
+        for row, k in zip(rows, ks, strict=True):
+            state = self._state(row)
+            root = row.token_ids[-1]
+            candidates: list[list[int]] = []
+            for candidate in state.pool.candidates(root, self.guesses):
+                if candidate[:k] not in candidates:  # cut to k, two may coincide
+                    candidates.append(candidate[:k])
+            state.block = lookahead_block(root, candidates, state.window)
+            structured.append(state.block)
+            tokens.append(max(candidates, key=len) if candidates else [])
+        return Proposal(tokens, structured=structured)
+
+    def observe_block(self, rows: Sequence[DraftRow], argmax: Sequence[torch.Tensor]) -> None:
+        """The Jacobi step: the target's predictions after the window's top level complete one
+        n-gram per column for the pool, and become the window's newest level."""
+        for row, predicted in zip(rows, argmax, strict=True):
+            state = self._rows.get(row.key)
+            if state is None or state.block is None:
+                continue
+            for ngram in state.window.advance(predicted[state.block.top_level].tolist()):
+                state.pool.add(ngram)
+            state.block = None
+
+    def release(self, key: int) -> None:
+        self._rows.pop(key, None)
+
+    def fresh(self) -> LookaheadDrafter:
+        return self._named_as_me(LookaheadDrafter(self.window, self.ngram, self.guesses))
+
+    def _state(self, row: DraftRow) -> _Lookahead:
+        state = self._rows.get(row.key)
+        if state is None:  # seeded by the request key: the same request guesses the same way
+            seed = row.prompt_ids or row.token_ids
+            state = _Lookahead(
+                JacobiWindow(self.window, self.ngram, seed, random.Random(row.key)), NgramPool(self.guesses)
+            )
+            self._rows[row.key] = state
+        return state
+
+
+def build_lookahead(config: DrafterConfig, target: LoadedModel) -> Drafter:
+    drafter = LookaheadDrafter(config.lookahead_window, config.lookahead_ngram, config.lookahead_guesses)
+    return named(drafter, config)

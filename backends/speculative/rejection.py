@@ -162,3 +162,15 @@ def accept_candidates_sampled(
             after = target_probs[longest, depth].double()
             return CandidateVerdict(longest, depth, int(draw(after.unsqueeze(0), [generator])[0]))
         alive = [b for b in alive if len(candidates[b]) > depth]
+
+
+def candidate_chains(per_position: torch.Tensor, branches: list[list[int]]) -> torch.Tensor:
+    """(G, L + 1, …): what the target gave at the root and after each of a branch's tokens
+    (argmax (T,) or distributions (T, V)), zero past a shorter branch's end."""
+    if not branches:
+        return per_position[:1].unsqueeze(0)
+    longest = max(len(b) for b in branches)
+    chains = per_position.new_zeros((len(branches), longest + 1, *per_position.shape[1:]))
+    for g, branch in enumerate(branches):
+        chains[g, : len(branch) + 1] = per_position[[0, *branch]]
+    return chains

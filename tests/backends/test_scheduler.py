@@ -10,15 +10,17 @@ import random
 from dataclasses import dataclass
 
 import pytest
+import torch
 
 from backends.errors import RequestError
 from backends.generation import GenerationRequest, GenerationResult
 from backends.plain import PlainEngine
-from backends.sampling import SamplingParams
+from backends.sampling import SamplingParams, target_probs
 from backends.scheduler import LoopSettings, Scheduler
 from backends.speculative.control import StepCosts
-from backends.speculative.drafters import Drafter, ModelDrafter, NgramDrafter
+from backends.speculative.drafters import Drafter, DraftRow, ModelDrafter, NgramDrafter
 from backends.speculative.factory import build_drafter
+from backends.speculative.lookahead import LookaheadDrafter
 from policies.drafters import DrafterConfig
 from profiler.workloads import load_prompt_set
 
@@ -119,7 +121,17 @@ def _drafters(kind: str, loaded) -> list[Drafter]:
     return [build_drafter(DrafterConfig(kind=kind), loaded)]
 
 
-KINDS = ["plain", "ngram", "early-exit", "random-model", "ngram+early-exit", "eagle", "medusa", "early-exit-adapter"]
+KINDS = [
+    "plain",
+    "ngram",
+    "early-exit",
+    "random-model",
+    "ngram+early-exit",
+    "eagle",
+    "medusa",
+    "early-exit-adapter",
+    "lookahead",
+]
 
 
 @pytest.mark.slow
@@ -336,6 +348,64 @@ def test_sampled_rows_joining_and_leaving_keep_the_targets_distribution(tiny_tar
     assert _matches_target(samples, _exact_joint(tiny_target, tiny_target.tokenizer(prompt).input_ids, SAMPLING))
 
 
+class _PrimedLookahead(LookaheadDrafter):
+    """Lookahead whose pool starts with given n-grams, so the very first steps verify several
+    candidates — accepted, rejected and partly accepted ones."""
+
+    def __init__(self, ngrams: list[list[int]]):
+        super().__init__(window=2, ngram=3, guesses=4)
+        self.ngrams = ngrams
+
+    def _state(self, row: DraftRow):
+        fresh = row.key not in self._rows
+        state = super()._state(row)
+        for ngram in self.ngrams if fresh else ():
+            state.pool.add(ngram)
+        return state
+
+    def fresh(self) -> _PrimedLookahead:
+        return self._named_as_me(_PrimedLookahead(self.ngrams))
+
+
+def test_sampled_lookahead_rows_keep_the_targets_distribution(tiny_target):
+    """Tokens 2 and 3 of a prompt sampled by lookahead while other requests come and go: the pool
+    starts with the target's likeliest continuations of every possible first token (and one
+    unlikely one each), so they are verified by the multi-candidate rule; χ² against the exact joint."""
+    prompt = "Once upon a time"
+    ids = tiny_target.tokenizer(prompt).input_ids
+    model = tiny_target.model
+    ngrams = []
+    with torch.inference_mode():
+        p1 = target_probs(model(input_ids=torch.tensor([ids])).logits[:, -1], [SAMPLING])[0]
+        for x1 in p1.nonzero().flatten().tolist():
+            p2 = target_probs(model(input_ids=torch.tensor([[*ids, x1]])).logits[:, -1], [SAMPLING])[0]
+            for x2 in p2.topk(2).indices.tolist():
+                x3 = int(model(input_ids=torch.tensor([[*ids, x1, x2]])).logits[0, -1].argmax())
+                ngrams.append([x1, x2, x3])
+            ngrams.append([x1, int(p2.argmin()), x1])  # never accepted
+    drafter = _PrimedLookahead(ngrams)
+    scheduler = Scheduler(tiny_target, LoopSettings(max_batch=6), [drafter], k=2)
+    rng, samples = random.Random(0), []
+    for batch in range(300):
+        arrivals = [
+            Arrival(
+                rng.randint(0, 3),
+                GenerationRequest(
+                    prompt=prompt if row < 5 else "A much longer prompt about something else entirely",
+                    max_tokens=4 if row < 5 else rng.randint(1, 6),
+                    ignore_eos=True,
+                    sampling=SAMPLING.model_copy(update={"seed": batch * 10 + row}),
+                ),
+            )
+            for row in range(7)
+        ]
+        results = run_schedule(scheduler, arrivals)
+        samples += [tuple(r.token_ids[1:3]) for r in results[:5]]
+    totals = scheduler.drafter_totals[drafter.name]
+    assert 0.1 * totals.draft_tokens < totals.accepted_tokens < 0.95 * totals.draft_tokens  # both paths ran
+    assert _matches_target(samples, _exact_joint(tiny_target, ids, SAMPLING))
+
+
 @pytest.mark.parametrize("k", [0, 3])
 def test_a_seeded_sample_is_the_same_whatever_it_is_batched_with(tiny_target, k):
     vocab = tiny_target.model.config.vocab_size
@@ -401,3 +471,7 @@ def test_a_speculative_loop_that_would_verify_past_the_tile_is_refused(tiny_targ
     with pytest.raises(RequestError, match="k_max 8 needs passes of 9 positions"):
         Scheduler(tiny_target, settings, [lookup()], k="auto", k_max=8)
     assert Scheduler(tiny_target, settings, [lookup()], k=4).tile == 5
+    lookahead = LookaheadDrafter(window=4, ngram=3, guesses=4)
+    with pytest.raises(RequestError, match="drafter lookahead needs passes of 17 positions; .* are 9 wide"):
+        Scheduler(tiny_target, LoopSettings(width_invariant="on"), [lookahead], k=2)
+    assert Scheduler(tiny_target, LoopSettings(width_invariant="on", tile_width=17), [lookahead], k=2).tile == 17

@@ -122,9 +122,9 @@ def test_unknown_nested_key_names_the_dotted_path_and_its_section_keys():
         ),
         ("speculation: {drafters: [ngram, model, ngram]}", "speculation.drafters: listed more than once: ngram"),
         (
-            "speculation: {drafters: [ngram, lookahead]}",
-            "speculation.drafters[1]: Input should be 'ngram', 'model', 'early-exit', 'eagle', 'medusa' or "
-            "'early-exit-adapter' (got 'lookahead')",
+            "speculation: {drafters: [ngram, jacobi]}",
+            "speculation.drafters[1]: Input should be 'ngram', 'model', 'early-exit', 'lookahead', 'eagle', 'medusa' "
+            "or 'early-exit-adapter' (got 'jacobi')",
         ),
         ("batching: {max_batch: 5000}", "batching.max_batch: Input should be less than or equal to 4096"),
         ("concurrency_override: 0", "concurrency_override: Input should be greater than or equal to 1 (got 0)"),
@@ -164,7 +164,7 @@ def test_speculation_and_batching_cannot_both_be_off():
 
 def test_all_problems_are_reported_together_one_per_line():
     message = problems_of(
-        "speculation:\n  k_max: 40\n  drafters: [lookahead]\nquantization:\n  min_agreement: 1.5\nslo:\n  tpot: 1\n"
+        "speculation:\n  k_max: 40\n  drafters: [jacobi]\nquantization:\n  min_agreement: 1.5\nslo:\n  tpot: 1\n"
     )
     lines = message.splitlines()
     assert lines[0] == "policy: invalid policy"

@@ -29,11 +29,11 @@ def test_kinds_are_unique_and_each_has_one_entry() -> None:
 
 
 def test_an_unknown_kind_is_a_user_error_listing_the_known_ones() -> None:
-    with pytest.raises(UnknownKindError, match="unknown drafter kind 'lookahead': pick one of ngram, model") as info:
-        spec("lookahead")
+    with pytest.raises(UnknownKindError, match="unknown drafter kind 'jacobi': pick one of ngram, model") as info:
+        spec("jacobi")
     assert isinstance(info.value, UserError)
     with pytest.raises(ValidationError, match="kind"):
-        DrafterConfig(kind="lookahead")
+        DrafterConfig(kind="jacobi")
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -65,7 +65,7 @@ def test_options_for_another_kind_keep_their_values() -> None:
     other = options.of("eagle")
     assert (other.kind, other.ngram_max, other.draft_dtype) == ("eagle", 6, "float32")
     with pytest.raises(UnknownKindError, match="unknown drafter kind"):
-        options.of("lookahead")
+        options.of("jacobi")
 
 
 def test_auto_draft_dtype_is_bfloat16_except_a_draft_model_under_a_reduced_precision_target() -> None:

@@ -5,7 +5,8 @@ import pytest
 
 from policies.config import PolicyConfig, parse_policy
 from policies.policy import AlphaInput, LoadSnapshot, RequestFeatures, decide
-from tests.policies.profiles import synthetic_profile
+from policies.profile import DrafterProfile, Profile
+from tests.policies.profiles import ALPHAS, acceptance, step, synthetic_profile
 
 NGRAM_ONLY = {"speculation": {"drafters": ["ngram"]}}
 
@@ -211,3 +212,42 @@ def test_rare_proposals_shrink_the_predicted_gain():
     assert any("proposes in 20% of steps" in r for r in decision.reasons)
     dense = decide(features("copy", ngram=0.9), load(1), synthetic_profile(), policy())
     assert dense.chosen().speedup > spec.speedup
+
+
+def _with_lookahead(block_width: int) -> Profile:
+    profile = synthetic_profile()
+    lookahead = DrafterProfile(
+        name="lookahead-2x3x1",
+        kind="lookahead",
+        batches=[1],
+        step_seconds=[1e-4],
+        block_width=block_width,
+        block_draft=2,
+    )
+    measured = [acceptance(c, lookahead.name, a) for c, a in ALPHAS.items()]
+    return profile.model_copy(
+        update={"drafters": [*profile.drafters, lookahead], "acceptance": [*profile.acceptance, *measured]}
+    )
+
+
+def test_a_structured_drafter_is_costed_at_its_block_width_whatever_k_the_policy_allows():
+    """Lookahead's every step runs its whole block (here 5 positions) and verifies up to 2 tokens:
+    v = t(b, 5) / t(b, 1), k = 2, speedup = (1 + α + α²) / v; at high load the wide pass loses."""
+    profile = _with_lookahead(5)
+    config = policy(speculation={"drafters": ["lookahead"]})
+    decision = decide(features("copy", **{"lookahead-2x3x1": 0.8}), load(1), profile, config)
+    spec = next(c for c in decision.candidates if c.backend == "speculative")
+    v = step(1, 5) / step(1, 1)
+    assert (spec.drafter, spec.k) == ("lookahead-2x3x1", 2) and spec.v == pytest.approx(v, rel=1e-3)
+    assert spec.speedup == pytest.approx((1 + 0.8 + 0.64) / v, rel=1e-2)
+    assert decision.backend == "speculative"
+    assert decision.break_even["lookahead-2x3x1"] is not None  # t grows with b·w: the block stops paying
+    busy = decide(features("copy", **{"lookahead-2x3x1": 0.8}), load(64), profile, config)
+    assert busy.backend != "speculative"
+
+
+def test_a_structured_drafter_wider_than_the_profile_measured_is_left_out_with_a_reason():
+    config = policy(speculation={"drafters": ["lookahead"]})
+    decision = decide(features("copy", **{"lookahead-2x3x1": 0.8}), load(1), _with_lookahead(17), config)
+    assert decision.backend != "speculative"
+    assert any("runs passes of 17 positions; the profile measured up to 9" in r for r in decision.reasons)

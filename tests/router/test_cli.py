@@ -161,6 +161,6 @@ def test_drafter_choices_and_defaults_are_the_registrys(capsys):
     assert parser.parse_args(["profile"]).drafters == ",".join(SERVED_KINDS)
     assert parser.parse_args(["bench", "spec"]).drafters == ",".join(BENCHED_KINDS)
     with pytest.raises(SystemExit):
-        parser.parse_args(["generate", "x", "--speculative", "lookahead"])
+        parser.parse_args(["generate", "x", "--speculative", "jacobi"])
     err = capsys.readouterr().err
-    assert "invalid choice: 'lookahead'" in err and all(f"'{kind}'" in err for kind in KINDS)
+    assert "invalid choice: 'jacobi'" in err and all(f"'{kind}'" in err for kind in KINDS)

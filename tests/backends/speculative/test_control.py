@@ -28,6 +28,13 @@ def test_step_costs_probe_every_bucket_a_batch_can_shrink_through_once():
         costs.seconds(1, 6)
 
 
+def test_widths_a_seeded_table_lacks_are_probed_and_only_those():
+    costs, calls = _costs({1: 50, 2: 90, 3: 95, 4: 60, 5: 70})
+    costs.target_s.update({(1, 1): 0.04, (1, 2): 0.08, (1, 3): 0.09})  # a profile's curve up to width 3
+    assert costs.seconds(1, 5) == pytest.approx(0.07) and costs.seconds(1, 1) == pytest.approx(0.04)
+    assert calls == [(1, [4, 5])]
+
+
 def test_a_measured_pass_rescales_the_whole_curve_of_its_bucket():
     costs, _ = _costs({1: 50, 2: 90, 3: 95, 4: 60, 5: 70})
     costs.record_target(3, 4, 0.120)  # a 4-token pass ran at twice its probed time

@@ -1,14 +1,28 @@
-"""Lookahead decoding's parts: the pool keeps recent n-grams, the Jacobi window completes one per
-column and shifts, the structured block shows every token exactly the sequence it continues, and
-a lookahead decode emits the target's greedy tokens exactly."""
+"""Lookahead decoding: the pool keeps recent n-grams, the Jacobi window completes one per column
+and shifts, the structured block shows every token exactly the sequence it continues, the drafter
+proposes the pool's candidates and learns from the target's argmax over its window — and the step
+loop serving it emits the target's greedy tokens exactly (sampling: tests/backends/test_scheduler.py)."""
 
 import random
 
 import pytest
 import torch
 
+from backends.generation import GenerationRequest
 from backends.kv import PagedCache
-from backends.speculative.lookahead import JacobiWindow, NgramPool, lookahead_block, lookahead_greedy
+from backends.plain import PlainEngine
+from backends.sampling import SamplingParams, new_generator
+from backends.scheduler import LoopSettings, Scheduler
+from backends.speculative.drafters import DraftRow
+from backends.speculative.factory import build_drafter
+from backends.speculative.lookahead import (
+    JacobiWindow,
+    LookaheadDrafter,
+    NgramPool,
+    block_width,
+    lookahead_block,
+)
+from policies.drafters import DrafterConfig
 
 TOL = {"atol": 1e-4, "rtol": 1e-4}
 
@@ -18,14 +32,8 @@ def _clean_logits(model, tokens: list[int]) -> torch.Tensor:
     return model(input_ids=torch.tensor([tokens])).logits[0, -1]
 
 
-@torch.inference_mode()
-def _plain_greedy(model, prompt: list[int], max_tokens: int) -> list[int]:
-    cache = PagedCache(model, 4096)
-    seq = cache.add()
-    tokens = [int(cache.last_logits([seq], [prompt])[0].argmax())]
-    while len(tokens) < max_tokens:
-        tokens.append(int(cache.last_logits([seq], [[tokens[-1]]])[0].argmax()))
-    return tokens
+def _row(key: int, prompt: list[int], tokens: list[int]) -> DraftRow:
+    return DraftRow(key, prompt, tokens, SamplingParams(), new_generator(0)[0])
 
 
 def test_the_pool_keeps_each_first_tokens_newest_distinct_continuations():
@@ -94,23 +102,66 @@ def test_keeping_a_later_branch_moves_its_keys_into_place(tiny_target):
         cache.keep_branch(seq, start, [0, 9])
 
 
+def test_the_registry_builds_and_names_it_with_its_widest_pass():
+    drafter = build_drafter(DrafterConfig(kind="lookahead"), None)
+    assert isinstance(drafter, LookaheadDrafter) and drafter.name == "lookahead-4x3x4"
+    assert drafter.widest_block == block_width(4, 3, 4) == 17 and drafter.max_draft == 2 and drafter.free
+    assert drafter.fresh().name == drafter.name
+    with pytest.raises(ValueError, match="G ≥ 1"):
+        LookaheadDrafter(window=2, ngram=3, guesses=0)
+
+
+def test_the_drafter_proposes_the_pools_ngrams_for_the_newest_token_cut_to_k():
+    drafter = LookaheadDrafter(window=2, ngram=4, guesses=3)
+    row = _row(7, [5, 6, 7], [9])
+    drafter.propose([row], [3])  # creates the row's window and pool
+    for ngram in ([9, 1, 2, 3], [9, 1, 2, 4], [9, 8, 8, 8], [4, 4, 4, 4]):
+        drafter._rows[7].pool.add(ngram)
+    proposal = drafter.propose([row], [2])
+    block = proposal.structured[0]
+    # Cut to k = 2, [1, 2] came twice; the newest first. [4, 4, 4] does not continue 9.
+    assert block.candidates == [[8, 8], [1, 2]] and proposal.tokens == [[8, 8]]
+    assert block.tokens[0] == 9 and len(block.tokens) == 1 + 4 + 2 * 3
+
+
+def test_the_targets_argmax_over_the_window_fills_the_pool_and_shifts_the_window():
+    drafter = LookaheadDrafter(window=2, ngram=3, guesses=2)
+    row = _row(1, [5, 6, 7], [9])
+    window = drafter._state(row).window
+    window.levels = [[11, 12], [21, 22]]
+    block = drafter.propose([row], [2]).structured[0]
+    argmax = torch.zeros(len(block.tokens), dtype=torch.long)
+    argmax[block.top_level] = torch.tensor([31, 32])
+    drafter.observe_block([row], [argmax])
+    assert window.levels == [[21, 22], [31, 32]]
+    assert drafter._rows[1].pool.candidates(11, 2) == [[21, 31]] and drafter._rows[1].pool.candidates(12, 2) == [
+        [22, 32]
+    ]
+    drafter.release(1)
+    assert drafter._rows == {}
+
+
+def _request(text: str, tokens: int) -> GenerationRequest:
+    return GenerationRequest(prompt=text, max_tokens=tokens, ignore_eos=True)
+
+
 @pytest.mark.parametrize(("window", "ngram", "guesses"), [(3, 3, 2), (4, 2, 4), (2, 4, 1)])
-def test_lookahead_emits_the_targets_greedy_tokens(tiny_target, window, ngram, guesses):
-    model = tiny_target.model
-    for prompt in ([5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [30, 31, 32, 33, 34, 35]):
-        run = lookahead_greedy(PagedCache(model, 4096), prompt, 40, window, ngram, guesses, seed=3)
-        assert run.tokens == _plain_greedy(model, prompt, 40)
-        assert run.passes + run.accepted >= 40 and run.pass_width <= 1 + (window + guesses) * (ngram - 1)
+def test_the_step_loop_serving_lookahead_emits_the_targets_greedy_tokens(tiny_target, window, ngram, guesses):
+    drafter = LookaheadDrafter(window, ngram, guesses)
+    requests = [_request("1 2 3 4 1 2 3 4 1 2", 40), _request("Once upon a time", 30), _request("Hi", 12)]
+    plain = PlainEngine(tiny_target).generate(requests)
+    for k in (ngram - 1, "auto"):
+        results = Scheduler(tiny_target, LoopSettings(), [drafter.fresh()], k=k).generate(requests)
+        assert [r.token_ids for r in results] == [r.token_ids for r in plain], k
 
 
 @pytest.mark.slow
 def test_lookahead_on_the_embedded_model_is_exact_and_accepts_its_own_ngrams(loaded):
-    text = loaded.tokenizer.apply_chat_template(
-        [{"role": "user", "content": "Count from 1 to 40, separated by commas."}],
-        add_generation_prompt=True,
-        tokenize=False,
+    request = GenerationRequest(
+        messages=[{"role": "user", "content": "Count from 1 to 40, separated by commas."}], max_tokens=48
     )
-    prompt = loaded.tokenizer(text)["input_ids"]
-    run = lookahead_greedy(PagedCache(loaded.model, 4096), prompt, 48, window=4, ngram=3, guesses=4)
-    assert run.tokens == _plain_greedy(loaded.model, prompt, 48)
-    assert run.accepted > 0 and run.passes < 48  # the window's n-grams were accepted
+    drafter = build_drafter(DrafterConfig(kind="lookahead"), loaded)
+    result = Scheduler(loaded, LoopSettings(), [drafter], k=2).generate([request])[0]
+    assert result.token_ids == PlainEngine(loaded).generate([request])[0].token_ids
+    stats = result.speculation
+    assert stats.accepted_tokens > 0 and stats.steps < len(result.token_ids) - 1  # the window's n-grams paid
