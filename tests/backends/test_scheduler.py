@@ -325,9 +325,17 @@ def test_sampled_rows_joining_and_leaving_keep_the_targets_distribution(tiny_tar
     vocab = tiny_target.model.config.vocab_size
     drafter = ModelDrafter(perturbed(tiny_target.model, noise=0.4, seed=9), vocab)
     scheduler = Scheduler(tiny_target, LoopSettings(max_batch=6), [drafter], k=2)
-    prompt, others = "Once upon a time", ["A much longer prompt about something else entirely", "Hi"]
-    rng = random.Random(0)
-    samples = []
+    prompt = "Once upon a time"
+    samples = _sampled_among_others(scheduler, prompt, ["A much longer prompt about something else entirely", "Hi"], 8)
+    totals = scheduler.drafter_totals[drafter.name]
+    assert 0.1 * totals.draft_tokens < totals.accepted_tokens < 0.95 * totals.draft_tokens  # both paths ran
+    assert _matches_target(samples, _exact_joint(tiny_target, tiny_target.tokenizer(prompt).input_ids, SAMPLING))
+
+
+def _sampled_among_others(scheduler: Scheduler, prompt: str, others: list[str], rows: int) -> list[tuple[int, int]]:
+    """Tokens 2 and 3 of `prompt`, sampled by 5 rows of each of 300 batches in which `rows` - 5
+    other requests arrive at random steps and finish early."""
+    rng, samples = random.Random(0), []
     for batch in range(300):
         arrivals = [
             Arrival(
@@ -339,13 +347,11 @@ def test_sampled_rows_joining_and_leaving_keep_the_targets_distribution(tiny_tar
                     sampling=SAMPLING.model_copy(update={"seed": batch * 10 + row}),
                 ),
             )
-            for row in range(8)
+            for row in range(rows)
         ]
         results = run_schedule(scheduler, arrivals)
         samples += [tuple(r.token_ids[1:3]) for r in results[:5]]
-    totals = scheduler.drafter_totals[drafter.name]
-    assert 0.1 * totals.draft_tokens < totals.accepted_tokens < 0.95 * totals.draft_tokens  # both paths ran
-    assert _matches_target(samples, _exact_joint(tiny_target, tiny_target.tokenizer(prompt).input_ids, SAMPLING))
+    return samples
 
 
 class _PrimedLookahead(LookaheadDrafter):
@@ -385,22 +391,7 @@ def test_sampled_lookahead_rows_keep_the_targets_distribution(tiny_target):
             ngrams.append([x1, int(p2.argmin()), x1])  # never accepted
     drafter = _PrimedLookahead(ngrams)
     scheduler = Scheduler(tiny_target, LoopSettings(max_batch=6), [drafter], k=2)
-    rng, samples = random.Random(0), []
-    for batch in range(300):
-        arrivals = [
-            Arrival(
-                rng.randint(0, 3),
-                GenerationRequest(
-                    prompt=prompt if row < 5 else "A much longer prompt about something else entirely",
-                    max_tokens=4 if row < 5 else rng.randint(1, 6),
-                    ignore_eos=True,
-                    sampling=SAMPLING.model_copy(update={"seed": batch * 10 + row}),
-                ),
-            )
-            for row in range(7)
-        ]
-        results = run_schedule(scheduler, arrivals)
-        samples += [tuple(r.token_ids[1:3]) for r in results[:5]]
+    samples = _sampled_among_others(scheduler, prompt, ["A much longer prompt about something else entirely"], 7)
     totals = scheduler.drafter_totals[drafter.name]
     assert 0.1 * totals.draft_tokens < totals.accepted_tokens < 0.95 * totals.draft_tokens  # both paths ran
     assert _matches_target(samples, _exact_joint(tiny_target, ids, SAMPLING))
