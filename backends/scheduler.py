@@ -174,7 +174,7 @@ class _Drafting:
 class _Verified:
     accepted: list[int]
     emitted: list[list[int]]
-    branches: list[int] = field(default_factory=list)  # structured rows: the candidate kept (else 0)
+    branches: list[int]  # structured rows: the candidate kept (else 0)
 
 
 @dataclass
@@ -500,12 +500,10 @@ class Scheduler:
         expected to emit more tokens per second than a 1-token pass — tokens per step from α (drawn
         from the row's estimate, so a row that stopped keeps a chance to retry) and ρ."""
         assert row.drafter is not None and row.outlook is not None
-        if not cap:
+        if not cap:  # cap is already within the drafter's max_draft (`_k_cap`)
             return 0
-        width = min(row.drafter.widest_block, len(pass_s))
-        proposed = min(cap, row.drafter.max_draft or cap)
-        gain = tokens_per_step(row.outlook.alpha.sample(row.rng), proposed, row.outlook.proposal.mean)
-        return cap if gain * pass_s[0] > pass_s[width - 1] else 0
+        gain = tokens_per_step(row.outlook.alpha.sample(row.rng), cap, row.outlook.proposal.mean)
+        return cap if gain * pass_s[0] > pass_s[row.drafter.widest_block - 1] else 0
 
     def _pass_seconds(self, batch: int) -> list[float]:
         assert self.costs is not None

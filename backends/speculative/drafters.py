@@ -278,11 +278,6 @@ class ModelDrafter(Drafter):
         if state is not None:
             self._cache().remove(state.seq)
 
-    def observe_block(self, rows: Sequence[DraftRow], argmax: Sequence[torch.Tensor]) -> None:  # noqa: B027
-        """Per row that verified a structured block this step, the target's argmax at every
-        position of that block (what lookahead's window learns from), before any token of it is
-        appended."""
-
     def backlog(self, row: DraftRow) -> int:
         state = self.sequences.get(row.key)
         return row.length if state is None else row.length - min(state.synced, len(state.cached))
