@@ -50,7 +50,7 @@ import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from policies.cost_model import RowOutlook, plan_step, tokens_per_step
+from policies.cost_model import RowOutlook, plan_step
 from policies.profile import AcceptanceMap, CostCurve
 from policies.quantization import REDUCED_PRECISION
 
@@ -483,27 +483,18 @@ class Scheduler:
             for r, cap in zip(rows, caps, strict=True)
         ]
         planned = plan_step(outlooks, pass_s, draft_s, self.k_max, catch_up)
-        # Asking a free drafter costs nothing: its proposal is judged once it exists.
+        # Asking a free drafter costs nothing: its proposal is judged once it exists. A drafter of
+        # structured blocks (lookahead) widens the pass whatever it proposes: it plans its own block.
         return [
-            self._looks_ahead(r, cap, pass_s)
+            r.drafter.plan_block(r.draft, cap, pass_s)
+            if cap
+            else 0
             if r.drafter is not None and r.drafter.widest_block
             else cap
             if r.drafter is not None and r.drafter.free
             else k
             for r, k, cap in zip(rows, planned, caps, strict=True)
         ]
-
-    @staticmethod
-    def _looks_ahead(row: Row, cap: int, pass_s: list[float]) -> int:
-        """k = auto for a structured drafter's row (lookahead): its block widens the pass to the
-        drafter's widest_block whatever the pool holds, so it runs only while a pass that wide is
-        expected to emit more tokens per second than a 1-token pass — tokens per step from α (drawn
-        from the row's estimate, so a row that stopped keeps a chance to retry) and ρ."""
-        assert row.drafter is not None and row.outlook is not None
-        if not cap:  # cap is already within the drafter's max_draft (`_k_cap`)
-            return 0
-        gain = tokens_per_step(row.outlook.alpha.sample(row.rng), cap, row.outlook.proposal.mean)
-        return cap if gain * pass_s[0] > pass_s[row.drafter.widest_block - 1] else 0
 
     def _pass_seconds(self, batch: int) -> list[float]:
         assert self.costs is not None

@@ -108,6 +108,12 @@ class Drafter(ABC):
     def observe(self, rows: Sequence[DraftRow], accepted: Sequence[int]) -> None:  # noqa: B027 - optional hook
         """How many of the last proposal's tokens each of its rows accepted (roll back the rest)."""
 
+    def plan_block(self, row: DraftRow, cap: int, pass_s: Sequence[float]) -> int:
+        """k = auto for a drafter of structured blocks: the depth this row's block runs this step
+        (0: none), given the most it may (cap ≥ 1) and the measured seconds of a pass per width
+        (pass_s[w − 1], up to widest_block). By default its whole block, every step."""
+        return cap
+
     def observe_block(self, rows: Sequence[DraftRow], argmax: Sequence[torch.Tensor]) -> None:  # noqa: B027
         """Per row that verified a structured block this step, the target's argmax at every
         position of that block (what lookahead's window learns from), before any token of it is

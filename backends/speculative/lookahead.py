@@ -17,9 +17,11 @@ the accepted branch's keys and values (`PagedCache.keep_branch`).
 from __future__ import annotations
 
 import random
+from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
+import numpy as np
 import torch
 
 from policies.drafters import DrafterConfig
@@ -31,22 +33,26 @@ from .drafters import Drafter, DraftJudge, DraftRow, Proposal, StructuredDraft, 
 
 class NgramPool:
     """N-grams harvested from the window, by first token: each key keeps its `per_key` most
-    recent distinct continuations (N − 1 tokens), newest first."""
+    recent distinct continuations (N − 1 tokens), newest first, each with the window column that
+    last produced it (what lets a step running fewer columns be costed from a step running all)."""
 
     def __init__(self, per_key: int):
         self.per_key = per_key
-        self._by_first: dict[int, list[tuple[int, ...]]] = {}
+        self._by_first: dict[int, list[tuple[tuple[int, ...], int]]] = {}
 
-    def add(self, ngram: Sequence[int]) -> None:
+    def add(self, ngram: Sequence[int], column: int = 0) -> None:
         first, rest = ngram[0], tuple(ngram[1:])
-        kept = self._by_first.setdefault(first, [])
-        if rest in kept:
-            kept.remove(rest)
-        kept.insert(0, rest)
-        del kept[self.per_key :]
+        kept = [entry for entry in self._by_first.get(first, []) if entry[0] != rest]
+        self._by_first[first] = [(rest, column), *kept][: self.per_key]
+
+    def sourced(self, token: int, columns: int | None = None) -> list[tuple[list[int], int]]:
+        """The continuations of `token` with their columns, newest first; with `columns`, only
+        those the window's first `columns` columns produced."""
+        kept = self._by_first.get(token, [])
+        return [(list(rest), column) for rest, column in kept if columns is None or column < columns]
 
     def candidates(self, token: int, limit: int) -> list[list[int]]:
-        return [list(rest) for rest in self._by_first.get(token, [])[:limit]]
+        return [rest for rest, _ in self.sourced(token)[:limit]]
 
     def __len__(self) -> int:
         return sum(len(kept) for kept in self._by_first.values())
@@ -67,18 +73,20 @@ class JacobiWindow:
     def size(self) -> int:
         return self.window * (self.ngram - 1)
 
-    def tokens(self) -> list[int]:
-        """Level-major: level 0's columns, then level 1's, …"""
-        return [token for level in self.levels for token in level]
-
-    def index(self, level: int, column: int) -> int:
-        return level * self.window + column
+    def tokens(self, columns: int | None = None) -> list[int]:
+        """Level-major: level 0's columns, then level 1's, … — the first `columns` of each."""
+        return [token for level in self.levels for token in level[:columns]]
 
     def advance(self, predictions: Sequence[int]) -> list[list[int]]:
-        """One Jacobi step from the target's predictions after the top level's columns: the
-        n-grams completed (one per column), then the window shifted by a level."""
-        ngrams = [[level[i] for level in self.levels] + [int(predictions[i])] for i in range(self.window)]
-        self.levels = [*self.levels[1:], [int(t) for t in predictions]]
+        """One Jacobi step of the first len(predictions) columns, from the target's predictions
+        after their top level: the n-grams completed (one per column), then those columns shifted
+        by a level. Columns a step did not run keep their guesses: each column is a trajectory of
+        its own (it reads only level 0 of the columns before it)."""
+        ran = len(predictions)
+        ngrams = [[level[i] for level in self.levels] + [int(predictions[i])] for i in range(ran)]
+        for lower, upper in zip(self.levels, self.levels[1:], strict=False):
+            lower[:ran] = upper[:ran]
+        self.levels[-1][:ran] = [int(t) for t in predictions]
         return ngrams
 
 
@@ -87,29 +95,38 @@ class LookaheadBlock(StructuredDraft):
     """One pass's block for a row: the root, the candidates' branches, then the window."""
 
     top_level: list[int]  # block indices of the window's top level, column by column
+    sources: list[int] = field(default_factory=list)  # per candidate, the window column that produced it
+    probe: bool = False  # the drafter's whole (W, G) ran: every candidate's match is worth recording
 
 
-def lookahead_block(root: int, candidates: Sequence[Sequence[int]], window: JacobiWindow) -> LookaheadBlock:
-    """The structured block verifying `candidates` (continuations of `root`) and running `window`."""
+def lookahead_block(
+    root: int, candidates: Sequence[Sequence[int]], window: JacobiWindow, columns: int | None = None
+) -> LookaheadBlock:
+    """The structured block verifying `candidates` (continuations of `root`) and running the
+    window's first `columns` columns (all by default)."""
+    ran = window.window if columns is None else columns
     tokens, offsets, branches = [root], [0], []
     for candidate in candidates:
         branches.append(list(range(len(tokens), len(tokens) + len(candidate))))
         tokens += list(candidate)
         offsets += list(range(1, len(candidate) + 1))
     base = len(tokens)
-    tokens += window.tokens()
-    offsets += [1 + i + level for level in range(window.ngram - 1) for i in range(window.window)]
+    tokens += window.tokens(ran)
+    offsets += [1 + i + level for level in range(window.ngram - 1) for i in range(ran)]
     sees = torch.eye(len(tokens), dtype=torch.bool)
     sees[:, 0] = True  # everything continues the root
     for branch in branches:
         for depth, at in enumerate(branch):
             sees[at, branch[:depth]] = True
+
+    def index(level: int, column: int) -> int:
+        return base + level * ran + column
+
     for level in range(window.ngram - 1):
-        for column in range(window.window):
-            at = base + window.index(level, column)
-            sees[at, [base + window.index(0, j) for j in range(column + 1)]] = True
-            sees[at, [base + window.index(lower, column) for lower in range(1, level)]] = True
-    top = [base + window.index(window.ngram - 2, i) for i in range(window.window)]
+        for column in range(ran):
+            sees[index(level, column), [index(0, j) for j in range(column + 1)]] = True
+            sees[index(level, column), [index(lower, column) for lower in range(1, level)]] = True
+    top = [index(window.ngram - 2, i) for i in range(ran)]
     structure = BlockStructure(torch.tensor(offsets), sees)
     return LookaheadBlock(tokens, structure, [list(c) for c in candidates], branches, top)
 
@@ -119,13 +136,81 @@ def block_width(window: int, ngram: int, guesses: int) -> int:
     return 1 + (window + guesses) * (ngram - 1)
 
 
+@dataclass(frozen=True)
+class BlockShape:
+    """How much of a drafter's (W, G) one step runs: the window's first `columns` columns and the
+    pool's first `guesses` candidates from them, each cut to `depth` tokens."""
+
+    columns: int
+    guesses: int
+    depth: int
+
+
+def _halvings(most: int) -> tuple[int, ...]:
+    """most, most/2, most/4, … 1 (rounded up): the grid of columns and guesses k = auto tries."""
+    sizes, size = {most}, most
+    while size > 1:
+        size = (size + 1) // 2
+        sizes.add(size)
+    return tuple(sorted(sizes))
+
+
+class ShapeHistory:
+    """What steps that ran the drafter's whole (W, G) found — per candidate, how many of its tokens
+    the target's argmax matched, and the column that produced it — kept, per shape of the grid,
+    as the longest match and the number of candidates that shape would have verified. Any smaller
+    shape is costed from these counterfactually: its candidates were among those verified."""
+
+    def __init__(self, columns: int, guesses: int, most: int):
+        self.columns, self.guesses = _halvings(columns), _halvings(guesses)
+        self._best: deque[np.ndarray] = deque(maxlen=most)
+        self._count: deque[np.ndarray] = deque(maxlen=most)
+
+    def __len__(self) -> int:
+        return len(self._best)
+
+    def record(self, matches: Sequence[int], sources: Sequence[int]) -> None:
+        best = np.zeros((len(self.columns), len(self.guesses)), dtype=np.int64)
+        count = np.zeros_like(best)
+        for i, columns in enumerate(self.columns):
+            kept = [m for m, source in zip(matches, sources, strict=True) if source < columns]
+            for j, guesses in enumerate(self.guesses):
+                best[i, j], count[i, j] = max(kept[:guesses], default=0), len(kept[:guesses])
+        self._best.append(best)
+        self._count.append(count)
+
+    def choose(self, ngram: int, cap: int, pass_s: Sequence[float]) -> tuple[BlockShape | None, float]:
+        """The shape with the most tokens per second by these steps and the measured pass seconds
+        per width (pass_s[w − 1]), and its rate; None where a plain 1-token pass does better."""
+        best, count = np.stack(self._best), np.stack(self._count)
+        seconds_at = np.asarray(pass_s, dtype=np.float64)
+        window = np.asarray(self.columns)[None, :, None] * (ngram - 1)
+        chosen, rate = None, 1.0 / seconds_at[0]
+        for depth in range(1, cap + 1):
+            tokens = 1.0 + np.minimum(best, depth).mean(axis=0)
+            seconds = seconds_at[1 + window + count * depth - 1].mean(axis=0)
+            i, j = np.unravel_index(int(np.argmax(tokens / seconds)), tokens.shape)
+            if tokens[i, j] / seconds[i, j] > rate:
+                chosen, rate = BlockShape(self.columns[i], self.guesses[j], depth), tokens[i, j] / seconds[i, j]
+        return chosen, rate
+
+
+PROBE_EVERY, PROBE_RARELY = 8, 64  # k = auto runs the whole (W, G) every 8th step; every 64th while off
+ENOUGH_STEPS = 4  # whole-(W, G) steps a history needs before it is trusted over probing
+
+
 @dataclass
 class _Lookahead:
-    """One sequence's window and pool, and the block its last proposal ran."""
+    """One sequence's window and pool, the block its last proposal ran, and what k = auto knows."""
 
     window: JacobiWindow
     pool: NgramPool
+    history: ShapeHistory
     block: LookaheadBlock | None = None
+    shape: BlockShape | None = None  # this step's, chosen by plan_block (None: the whole (W, G))
+    since_probe: int = 0
+    probe_every: int = PROBE_EVERY
+    on: bool = True
 
 
 class LookaheadDrafter(Drafter):
@@ -133,7 +218,8 @@ class LookaheadDrafter(Drafter):
     (`lookahead_block`) whose window the target runs in the verifying pass itself, and whose
     candidates — the pool's n-grams starting with the newest token, cut to the k asked for — the
     step loop verifies with the multi-candidate rule. Drafting is bookkeeping (free); what it costs
-    is the wider pass, 1 + (W + G)·(N − 1) positions."""
+    is the wider pass, up to 1 + (W + G)·(N − 1) positions. Under k = auto, `plan_block` picks how
+    much of (W, G) and which depth each step runs, or none, from measured pass costs."""
 
     name = "lookahead"  # the registry's builder names it with its W, N and G
     free = True
@@ -145,31 +231,64 @@ class LookaheadDrafter(Drafter):
         self.max_draft = ngram - 1
         self.widest_block = block_width(window, ngram, guesses)
         self._rows: dict[int, _Lookahead] = {}
+        self._history = ShapeHistory(window, guesses, most=256)  # every row's: a new row's prior
+
+    def plan_block(self, row: DraftRow, cap: int, pass_s: Sequence[float]) -> int:
+        """k = auto for one row this step (cap ≥ 1): the depth of the shape whose tokens per
+        second, by the steps that ran the whole (W, G) — the row's own once it has enough, else
+        every row's — beat a plain pass's; 0 where none does. Every 8th step runs the whole
+        (W, G), as do the first ones: that is what the history learns from, and how a row that
+        stopped finds out whether it would pay again (every 64th step while it is off)."""
+        state = self._state(row)
+        history = state.history if len(state.history) >= ENOUGH_STEPS else self._history
+        state.since_probe += 1
+        if len(history) < ENOUGH_STEPS or state.since_probe >= state.probe_every:
+            state.since_probe, state.shape = 0, None
+            if not state.on:
+                state.probe_every = min(2 * state.probe_every, PROBE_RARELY)
+            return cap
+        state.shape, _ = history.choose(self.ngram, cap, pass_s)
+        state.on = state.shape is not None
+        if state.on:
+            state.probe_every = PROBE_EVERY
+        return 0 if state.shape is None else state.shape.depth
 
     def propose(self, rows: Sequence[DraftRow], ks: Sequence[int], judge: DraftJudge | None = None) -> Proposal:
         tokens, structured = [], []
         for row, k in zip(rows, ks, strict=True):
             state = self._state(row)
-            root = row.token_ids[-1]
+            shape, state.shape = state.shape or BlockShape(self.window, self.guesses, k), None
             candidates: list[list[int]] = []
-            for candidate in state.pool.candidates(root, self.guesses):
+            sources: list[int] = []
+            for candidate, column in state.pool.sourced(row.token_ids[-1], shape.columns)[: shape.guesses]:
                 if candidate[:k] not in candidates:  # cut to k, two may coincide
                     candidates.append(candidate[:k])
-            state.block = lookahead_block(root, candidates, state.window)
+                    sources.append(column)
+            block = lookahead_block(row.token_ids[-1], candidates, state.window, shape.columns)
+            probe = (shape.columns, shape.guesses) == (self.window, self.guesses)
+            state.block = replace(block, sources=sources, probe=probe)
             structured.append(state.block)
             tokens.append(max(candidates, key=len) if candidates else [])
         return Proposal(tokens, structured=structured)
 
     def observe_block(self, rows: Sequence[DraftRow], argmax: Sequence[torch.Tensor]) -> None:
         """The Jacobi step: the target's predictions after the window's top level complete one
-        n-gram per column for the pool, and become the window's newest level."""
+        n-gram per column run for the pool, and become those columns' newest level. A block that
+        ran the whole (W, G) also tells the histories how far each candidate matched."""
         for row, predicted in zip(rows, argmax, strict=True):
             state = self._rows.get(row.key)
             if state is None or state.block is None:
                 continue
-            for ngram in state.window.advance(predicted[state.block.top_level].tolist()):
-                state.pool.add(ngram)
-            state.block = None
+            block, state.block = state.block, None
+            for column, ngram in enumerate(state.window.advance(predicted[block.top_level].tolist())):
+                state.pool.add(ngram, column)
+            if block.probe:
+                matches = [
+                    _matched(candidate, predicted, branch)
+                    for candidate, branch in zip(block.candidates, block.branches, strict=True)
+                ]
+                for history in (state.history, self._history):
+                    history.record(matches, block.sources)
 
     def release(self, key: int) -> None:
         self._rows.pop(key, None)
@@ -181,11 +300,20 @@ class LookaheadDrafter(Drafter):
         state = self._rows.get(row.key)
         if state is None:  # seeded by the request key: the same request guesses the same way
             seed = row.prompt_ids or row.token_ids
-            state = _Lookahead(
-                JacobiWindow(self.window, self.ngram, seed, random.Random(row.key)), NgramPool(self.guesses)
-            )
+            window = JacobiWindow(self.window, self.ngram, seed, random.Random(row.key))
+            state = _Lookahead(window, NgramPool(self.guesses), ShapeHistory(self.window, self.guesses, most=32))
             self._rows[row.key] = state
         return state
+
+
+def _matched(candidate: Sequence[int], argmax: torch.Tensor, branch: Sequence[int]) -> int:
+    """How many of a candidate's tokens the target's argmax chain (after the root and after each
+    of the branch's tokens) matches: what greedy verification accepts of it."""
+    chain = argmax[[0, *branch]].tolist()
+    matched = 0
+    while matched < len(candidate) and candidate[matched] == chain[matched]:
+        matched += 1
+    return matched
 
 
 def build_lookahead(config: DrafterConfig, target: LoadedModel) -> Drafter:

@@ -16,9 +16,12 @@ from backends.scheduler import LoopSettings, Scheduler
 from backends.speculative.drafters import DraftRow
 from backends.speculative.factory import build_drafter
 from backends.speculative.lookahead import (
+    PROBE_EVERY,
+    BlockShape,
     JacobiWindow,
     LookaheadDrafter,
     NgramPool,
+    ShapeHistory,
     block_width,
     lookahead_block,
 )
@@ -42,6 +45,8 @@ def test_the_pool_keeps_each_first_tokens_newest_distinct_continuations():
         pool.add(ngram)
     assert pool.candidates(1, 5) == [[6, 7], [2, 3]]  # [4, 5] fell out; [2, 3] counted once
     assert pool.candidates(1, 1) == [[6, 7]] and pool.candidates(2, 5) == [] and len(pool) == 3
+    pool.add([1, 2, 3], column=4)  # the column that produced a continuation last is kept with it
+    assert pool.sourced(1) == [([2, 3], 4), ([6, 7], 0)] and pool.sourced(1, columns=4) == [([6, 7], 0)]
 
 
 def test_the_window_completes_an_ngram_per_column_and_shifts_a_level():
@@ -50,21 +55,25 @@ def test_the_window_completes_an_ngram_per_column_and_shifts_a_level():
     assert window.tokens() == [1, 2, 3, 4, 5, 6] and window.size == 6
     assert window.advance([7, 8, 9]) == [[1, 4, 7], [2, 5, 8], [3, 6, 9]]
     assert window.levels == [[4, 5, 6], [7, 8, 9]]
+    assert window.tokens(2) == [4, 5, 7, 8] and window.advance([1, 2]) == [[4, 7, 1], [5, 8, 2]]
+    assert window.levels == [[7, 8, 6], [1, 2, 9]]  # a column not run keeps its guesses
     with pytest.raises(ValueError, match="W ≥ 1 and N ≥ 2"):
         JacobiWindow(window=0, ngram=3, seed_tokens=[1], rng=random.Random(0))
     with pytest.raises(ValueError, match="the prompt is empty"):
         JacobiWindow(window=2, ngram=3, seed_tokens=[], rng=random.Random(0))
 
 
+@pytest.mark.parametrize("columns", [3, 2])
 @torch.inference_mode()
-def test_every_token_of_the_block_sees_exactly_the_sequence_it_continues(tiny_target):
+def test_every_token_of_the_block_sees_exactly_the_sequence_it_continues(tiny_target, columns):
     model = tiny_target.model
     prompt, root = [5, 6, 7, 8, 9], 10
     window = JacobiWindow(window=3, ngram=4, seed_tokens=prompt, rng=random.Random(1))
     window.levels = [[11, 12, 13], [21, 22, 23], [31, 32, 33]]
     candidates = [[41, 42, 43], [51, 52, 53]]
-    block = lookahead_block(root, candidates, window)
-    assert block.branches == [[1, 2, 3], [4, 5, 6]] and block.top_level == [13, 14, 15]
+    block = lookahead_block(root, candidates, window, columns)  # 2: the window's first two columns only
+    assert block.branches == [[1, 2, 3], [4, 5, 6]] and len(block.tokens) == 7 + 3 * columns
+    assert block.top_level == [7 + 2 * columns + i for i in range(columns)]
     cache = PagedCache(model, 1024, block_tokens=4)
     seq = cache.add()
     cache.last_logits([seq], [prompt])
@@ -75,10 +84,10 @@ def test_every_token_of_the_block_sees_exactly_the_sequence_it_continues(tiny_ta
                 logits[at], _clean_logits(model, [*prompt, root, *candidate[: depth + 1]]), **TOL
             )
     for level in range(3):
-        for column in range(3):
+        for column in range(columns):
             # Level 0 up to this column, then this column's levels up to this one.
             seen = window.levels[0][: column + 1] + [window.levels[lv][column] for lv in range(1, level + 1)]
-            at = 7 + window.index(level, column)
+            at = 7 + level * columns + column
             torch.testing.assert_close(logits[at], _clean_logits(model, [*prompt, root, *seen]), **TOL)
 
 
@@ -139,6 +148,41 @@ def test_the_targets_argmax_over_the_window_fills_the_pool_and_shifts_the_window
     ]
     drafter.release(1)
     assert drafter._rows == {}
+
+
+def test_the_history_costs_smaller_shapes_from_whole_window_steps():
+    history = ShapeHistory(columns=4, guesses=4, most=8)
+    assert history.columns == (1, 2, 4) and history.guesses == (1, 2, 4)
+    for _ in range(3):  # the newest candidate, from column 0, matches both tokens; the rest nothing
+        history.record([2, 0, 0, 0], [0, 3, 3, 3])
+    flat = [1.0] * 17  # every width costs a 1-token pass: the most tokens win, then the narrowest
+    assert history.choose(ngram=3, cap=2, pass_s=flat) == (BlockShape(1, 1, 2), 3.0)
+    assert history.choose(ngram=3, cap=1, pass_s=flat) == (BlockShape(1, 1, 1), 2.0)
+    steep = [float(w) for w in range(1, 18)]  # a 5-wide pass costs 5 plain ones: 3 tokens do not pay
+    assert history.choose(ngram=3, cap=2, pass_s=steep) == (None, 1.0)
+    late = ShapeHistory(columns=4, guesses=4, most=8)
+    late.record([0, 2], [0, 3])  # only the last column's n-gram matched: the whole window it is
+    assert late.choose(ngram=3, cap=2, pass_s=flat)[0] == BlockShape(4, 2, 2)
+
+
+def test_auto_probes_the_whole_block_then_runs_the_shape_that_pays_or_none():
+    drafter = LookaheadDrafter(window=2, ngram=3, guesses=2)
+    row = _row(3, [5, 6, 7], [9])
+    flat, steep = [1.0] * drafter.widest_block, [float(w) for w in range(1, drafter.widest_block + 1)]
+    assert drafter.plan_block(row, 2, flat) == 2 and drafter._rows[3].shape is None  # nothing known: probe
+    block = drafter.propose([row], [2]).structured[0]
+    assert block.probe and len(block.tokens) == 1 + 2 * 2  # no candidates yet, the whole window
+    for _ in range(4):
+        drafter._history.record([2], [0])  # what whole-block steps of other rows found
+    assert drafter.plan_block(row, 2, flat) == 2 and drafter._rows[3].shape == BlockShape(1, 1, 2)
+    drafter._rows[3].pool.add([9, 1, 2], column=0)
+    drafter._rows[3].pool.add([9, 3, 4], column=1)
+    block = drafter.propose([row], [2]).structured[0]
+    assert not block.probe and block.candidates == [[1, 2]] and len(block.tokens) == 1 + 2 + 1 * 2
+    off = [drafter.plan_block(row, 2, steep) for _ in range(3 * PROBE_EVERY)]
+    # Off, except for a whole-block probe after 8 steps, then 16: a row that stopped retries ever more rarely.
+    assert [i for i, k in enumerate(off) if k] == [PROBE_EVERY - 2, 3 * PROBE_EVERY - 2]
+    assert drafter._rows[3].probe_every == 4 * PROBE_EVERY
 
 
 def _request(text: str, tokens: int) -> GenerationRequest:
