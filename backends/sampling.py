@@ -50,6 +50,8 @@ def target_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torc
     if len(params) != logits.shape[0]:
         raise ValueError(f"one SamplingParams per row: got {len(params)} for {logits.shape[0]} rows")
     logits = logits.float()
+    if not any(p.greedy for p in params):
+        return _filtered_softmax(logits, params)
     probs = torch.empty_like(logits)
     greedy = torch.tensor([p.greedy for p in params], device=logits.device)
     if greedy.any():
@@ -116,5 +118,8 @@ def _filtered_softmax(logits: torch.Tensor, params: Sequence[SamplingParams]) ->
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
     removed |= (mass_before >= top_p) & (top_p < 1.0)
     removed[:, 0] = False
+    if sorted_logits.shape[-1] < vocab:  # top-k: every kept token is among the ranked few
+        kept = torch.softmax(sorted_logits.masked_fill(removed, float("-inf")), dim=-1)
+        return torch.zeros_like(scaled).scatter_(-1, order, kept)
     mask = torch.ones_like(scaled, dtype=torch.bool).scatter_(-1, order, removed)
     return torch.softmax(scaled.masked_fill(mask, float("-inf")), dim=-1)

@@ -59,20 +59,28 @@ def test_weight_only_replaces_every_linear_layer_but_the_head(loaded, method, la
     assert torch.equal(loaded.model.model.layers[0].mlp.down_proj.weight, weight)
 
 
-def test_weight_only_agrees_closely_and_smoothquant_less(loaded, split):
+@pytest.fixture(scope="module")
+def smoothquant(loaded, split):
+    """SmoothQuant on the calibration prompts, its quality on the held-out ones, and a weight of
+    the target from before quantizing (smoothing rescales weights: it must do so on a copy)."""
     ids, requests, _, texts = split
+    weight = loaded.model.model.layers[0].self_attn.q_proj.weight.clone()
+    model = quantize(loaded, ids, "smoothquant")
+    return model, measure_quality(loaded, model, requests, texts), weight
+
+
+def test_weight_only_agrees_closely_and_smoothquant_less(loaded, split, smoothquant):
+    _, requests, _, texts = split
     int4 = measure_quality(loaded, quantize(loaded, method="int4-weight-only"), requests, texts)
-    smooth = measure_quality(loaded, quantize(loaded, ids, "smoothquant"), requests, texts)
+    smooth = smoothquant[1]
     # Measured on the whole held-out half (35 prompts, 32 tokens): int4 99.0 %, int8 96.5 %, smoothquant 80.7 %.
     assert int4.agreement > 0.95 and int4.agreement > smooth.agreement
     assert abs(int4.perplexity_delta) < 0.01
     assert 0 <= int4.greedy_match <= 1 and int4.prompts == len(requests) and int4.greedy_tokens == 12
 
 
-def test_quantize_makes_int8_layers_and_leaves_the_target_alone(loaded, split):
-    ids = split[0]
-    weight = loaded.model.model.layers[0].self_attn.q_proj.weight.clone()
-    int8 = quantize(loaded, ids, "smoothquant")
+def test_quantize_makes_int8_layers_and_leaves_the_target_alone(loaded, smoothquant):
+    int8, _, weight = smoothquant
     quantized = [m for m in int8.model.modules() if isinstance(m, torch.ao.nn.quantized.dynamic.Linear)]
     assert len(quantized) == 7 * len(loaded.model.model.layers)  # q k v o gate up down in every block
     assert isinstance(int8.model.lm_head, nn.Linear)  # the head keeps float weights
@@ -80,10 +88,10 @@ def test_quantize_makes_int8_layers_and_leaves_the_target_alone(loaded, split):
     assert torch.equal(loaded.model.model.layers[0].self_attn.q_proj.weight, weight)
 
 
-def test_smoothing_is_what_makes_int8_agree_with_the_target(loaded, split):
+def test_smoothing_is_what_makes_int8_agree_with_the_target(loaded, split, smoothquant):
     ids, requests, held_out, texts = split
     raw = measure_quality(loaded, quantize(loaded, ids, "dynamic"), requests, texts)
-    smooth = measure_quality(loaded, quantize(loaded, ids, "smoothquant"), requests, texts)
+    smooth = smoothquant[1]
     kept = measure_quality(loaded, quantize(loaded, ids, "smoothquant-fp32-down"), requests, texts)
     # Measured here on the whole held-out half: raw 0.47, smoothquant 0.81, fp32 down 0.9+.
     assert smooth.agreement > raw.agreement + 0.1

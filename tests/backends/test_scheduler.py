@@ -140,7 +140,7 @@ def test_greedy_output_is_the_plain_engines_whatever_joins_or_leaves(loaded, poo
     drafters = _drafters(kind, loaded)
     names: list[str | None] = [d.name for d in drafters] or [None]
     # Odd seeds plan k per step (as the service does), even ones draft a fixed k.
-    seeds = (0, 1, 2) if kind in ("plain", "ngram", "ngram+early-exit") else (1,)
+    seeds = (0, 1) if kind in ("plain", "ngram", "ngram+early-exit") else (1,)
     for seed in seeds:
         scheduler = Scheduler(loaded, TIGHT, [d.fresh() for d in drafters], k="auto" if seed % 2 else 3)
         arrivals = random_schedule(seed, pool, 7, names)
@@ -153,7 +153,7 @@ def test_greedy_output_is_the_plain_engines_whatever_joins_or_leaves(loaded, poo
 @pytest.mark.slow
 def test_many_schedules_of_the_plain_loop_match_decoding_alone(loaded, pool, references):
     settings = LoopSettings(max_batch=6, max_step_tokens=64, prefill_chunk=24, kv_cache_tokens=2048)
-    for seed in range(10, 16):
+    for seed in range(10, 14):
         scheduler = Scheduler(loaded, settings)
         arrivals = random_schedule(seed, pool, 6, [None])
         results = run_schedule(scheduler, arrivals)

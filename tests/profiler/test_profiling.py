@@ -244,6 +244,8 @@ def test_profile_command_writes_where_it_says(capsys, tmp_path):
         "2",
         "--max-tokens",
         "4",
+        "--quantization",
+        "none",  # the quantized backend's quality pass is what the profile fixture above checks
         "--out",
         str(path),
     ]

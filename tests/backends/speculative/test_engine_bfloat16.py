@@ -27,7 +27,7 @@ def _requests(per_category: int, max_tokens: int) -> list[GenerationRequest]:
     ]
 
 
-REQUESTS = _requests(per_category=2, max_tokens=32)  # 14 prompts, 7 categories
+REQUESTS = _requests(per_category=2, max_tokens=24)  # 14 prompts, 7 categories
 SPREAD = REQUESTS[::2]  # one per category, for the drafters that cost a model pass per draft
 
 
