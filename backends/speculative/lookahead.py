@@ -238,7 +238,8 @@ class LookaheadDrafter(Drafter):
         second, by the steps that ran the whole (W, G) — the row's own once it has enough, else
         every row's — beat a plain pass's; 0 where none does. Every 8th step runs the whole
         (W, G), as do the first ones: that is what the history learns from, and how a row that
-        stopped finds out whether it would pay again (every 64th step while it is off)."""
+        stopped finds out whether it would pay again (after 8, 16, 32, then every 64 steps while
+        it is off; a new row that every row's history keeps off probes every 64th step at once)."""
         state = self._state(row)
         history = state.history if len(state.history) >= ENOUGH_STEPS else self._history
         state.since_probe += 1
@@ -251,6 +252,8 @@ class LookaheadDrafter(Drafter):
         state.on = state.shape is not None
         if state.on:
             state.probe_every = PROBE_EVERY
+        elif history is self._history:  # other rows found it does not pay: start where they backed off to
+            state.probe_every = PROBE_RARELY
         return 0 if state.shape is None else state.shape.depth
 
     def propose(self, rows: Sequence[DraftRow], ks: Sequence[int], judge: DraftJudge | None = None) -> Proposal:

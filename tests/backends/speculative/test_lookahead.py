@@ -17,6 +17,7 @@ from backends.speculative.drafters import DraftRow
 from backends.speculative.factory import build_drafter
 from backends.speculative.lookahead import (
     PROBE_EVERY,
+    PROBE_RARELY,
     BlockShape,
     JacobiWindow,
     LookaheadDrafter,
@@ -179,10 +180,14 @@ def test_auto_probes_the_whole_block_then_runs_the_shape_that_pays_or_none():
     drafter._rows[3].pool.add([9, 3, 4], column=1)
     block = drafter.propose([row], [2]).structured[0]
     assert not block.probe and block.candidates == [[1, 2]] and len(block.tokens) == 1 + 2 + 1 * 2
+    for _ in range(4):
+        drafter._rows[3].history.record([2], [0])  # the row's own whole-block steps, now enough to go by
     off = [drafter.plan_block(row, 2, steep) for _ in range(3 * PROBE_EVERY)]
     # Off, except for a whole-block probe after 8 steps, then 16: a row that stopped retries ever more rarely.
     assert [i for i, k in enumerate(off) if k] == [PROBE_EVERY - 2, 3 * PROBE_EVERY - 2]
     assert drafter._rows[3].probe_every == 4 * PROBE_EVERY
+    newcomer = _row(4, [5, 6, 7], [9])  # no steps of its own: every row's history keeps it off from the start
+    assert drafter.plan_block(newcomer, 2, steep) == 0 and drafter._rows[4].probe_every == PROBE_RARELY
 
 
 def _request(text: str, tokens: int) -> GenerationRequest:
