@@ -486,12 +486,12 @@ class Scheduler:
         # Asking a free drafter costs nothing: its proposal is judged once it exists. A drafter of
         # structured blocks (lookahead) widens the pass whatever it proposes: it plans its own block.
         return [
-            r.drafter.plan_block(r.draft, cap, pass_s)
-            if cap
-            else 0
-            if r.drafter is not None and r.drafter.widest_block
+            k
+            if r.drafter is None or not cap
+            else r.drafter.plan_block(r.draft, cap, pass_s)
+            if r.drafter.widest_block
             else cap
-            if r.drafter is not None and r.drafter.free
+            if r.drafter.free
             else k
             for r, k, cap in zip(rows, planned, caps, strict=True)
         ]

@@ -17,7 +17,7 @@ from backends.generation import GenerationRequest, GenerationResult
 from backends.plain import PlainEngine
 from backends.sampling import SamplingParams, target_probs
 from backends.scheduler import LoopSettings, Scheduler
-from backends.speculative.control import StepCosts
+from backends.speculative.control import DraftCosts, StepCosts
 from backends.speculative.drafters import Drafter, DraftRow, ModelDrafter, NgramDrafter
 from backends.speculative.factory import build_drafter
 from backends.speculative.lookahead import LookaheadDrafter
@@ -317,6 +317,18 @@ def test_the_speculative_loop_turns_into_a_plain_batcher_when_the_batch_is_compu
     assert max(alone.speculation.k_history) > 0  # alone, drafting pays
     assert all(k == 0 for r in crowd for k in r.speculation.k_history)  # 16 rows: every step a plain step
     assert sum(r.speculation.declined_tokens for r in crowd) > 0  # the free drafter proposed all the same
+
+
+def test_auto_k_asks_a_drafter_that_costs_more_than_it_saves_for_nothing(tiny_target, monkeypatch):
+    """A drafter that runs a model is asked for the k the planner chose, not its cap: with a draft
+    step measured at ten target passes, that is none, every step."""
+    monkeypatch.setattr(DraftCosts, "record", lambda *args, **kwargs: None)
+    drafter = ModelDrafter(perturbed(tiny_target.model, noise=0.4, seed=9), tiny_target.model.config.vocab_size)
+    scheduler = Scheduler(tiny_target, LoopSettings(), [drafter], k="auto", costs=_costs(lambda b, w: 0.01))
+    scheduler.drafter_costs[drafter.name] = DraftCosts(step_s={b: 0.1 for b in (1, 2, 4, 8)})
+    result = scheduler.generate([_request(12)])[0]
+    assert result.speculation.k_history and all(k == 0 for k in result.speculation.k_history)
+    assert scheduler.drafter_totals[drafter.name].draft_tokens == 0
 
 
 def test_sampled_rows_joining_and_leaving_keep_the_targets_distribution(tiny_target):
