@@ -29,6 +29,7 @@ from policies.drafters import DrafterConfig
 from ..kv import BlockStructure
 from ..models import LoadedModel
 from .drafters import Drafter, DraftJudge, DraftRow, Proposal, StructuredDraft, named
+from .rejection import candidate_chains, greedy_matches
 
 
 class NgramPool:
@@ -286,10 +287,7 @@ class LookaheadDrafter(Drafter):
             for column, ngram in enumerate(state.window.advance(predicted[block.top_level].tolist())):
                 state.pool.add(ngram, column)
             if block.probe:
-                matches = [
-                    _matched(candidate, predicted, branch)
-                    for candidate, branch in zip(block.candidates, block.branches, strict=True)
-                ]
+                matches = greedy_matches(block.candidates, candidate_chains(predicted, block.branches))
                 for history in (state.history, self._history):
                     history.record(matches, block.sources)
 
@@ -307,16 +305,6 @@ class LookaheadDrafter(Drafter):
             state = _Lookahead(window, NgramPool(self.guesses), ShapeHistory(self.window, self.guesses, most=32))
             self._rows[row.key] = state
         return state
-
-
-def _matched(candidate: Sequence[int], argmax: torch.Tensor, branch: Sequence[int]) -> int:
-    """How many of a candidate's tokens the target's argmax chain (after the root and after each
-    of the branch's tokens) matches: what greedy verification accepts of it."""
-    chain = argmax[[0, *branch]].tolist()
-    matched = 0
-    while matched < len(candidate) and candidate[matched] == chain[matched]:
-        matched += 1
-    return matched
 
 
 def build_lookahead(config: DrafterConfig, target: LoadedModel) -> Drafter:

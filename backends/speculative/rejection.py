@@ -111,14 +111,23 @@ def accept_candidates_greedy(candidates: Sequence[Sequence[int]], target_tokens:
     what greedy plain decoding emits. target_tokens (G, L+1): the argmax after each candidate's
     first j tokens, j = 0..L."""
     best = CandidateVerdict(0, 0, int(target_tokens[0, 0]))
+    for branch, accepted in enumerate(greedy_matches(candidates, target_tokens)):
+        if accepted > best.accepted:
+            best = CandidateVerdict(branch, accepted, int(target_tokens[branch, accepted]))
+    return best
+
+
+def greedy_matches(candidates: Sequence[Sequence[int]], target_tokens: torch.Tensor) -> list[int]:
+    """Per candidate, how many of its tokens equal the target's argmax chain after it (target_tokens
+    as `accept_candidates_greedy` takes them): what greedy verification would accept of each."""
+    matches = []
     for branch, tokens in enumerate(candidates):
         chain = target_tokens[branch].tolist()
-        accepted = 0
-        while accepted < len(tokens) and tokens[accepted] == chain[accepted]:
-            accepted += 1
-        if accepted > best.accepted:
-            best = CandidateVerdict(branch, accepted, chain[accepted])
-    return best
+        matched = 0
+        while matched < len(tokens) and tokens[matched] == chain[matched]:
+            matched += 1
+        matches.append(matched)
+    return matches
 
 
 def accept_candidates_sampled(
