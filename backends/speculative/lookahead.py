@@ -171,12 +171,20 @@ class ShapeHistory:
         return len(self._best)
 
     def record(self, matches: Sequence[int], sources: Sequence[int]) -> None:
+        self.add(*self.summarize(matches, sources))
+
+    def summarize(self, matches: Sequence[int], sources: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        """One whole-(W, G) step as this grid keeps it: per shape, the longest match and the count."""
         best = np.zeros((len(self.columns), len(self.guesses)), dtype=np.int64)
         count = np.zeros_like(best)
         for i, columns in enumerate(self.columns):
             kept = [m for m, source in zip(matches, sources, strict=True) if source < columns]
             for j, guesses in enumerate(self.guesses):
                 best[i, j], count[i, j] = max(kept[:guesses], default=0), len(kept[:guesses])
+        return best, count
+
+    def add(self, best: np.ndarray, count: np.ndarray) -> None:
+        """A step `summarize` made, by a history on the same grid (a row's and its drafter's share one)."""
         self._best.append(best)
         self._count.append(count)
 
@@ -288,8 +296,9 @@ class LookaheadDrafter(Drafter):
                 state.pool.add(ngram, column)
             if block.probe:
                 matches = greedy_matches(block.candidates, candidate_chains(predicted, block.branches))
-                for history in (state.history, self._history):
-                    history.record(matches, block.sources)
+                step = self._history.summarize(matches, block.sources)  # one grid: summarized once for both
+                state.history.add(*step)
+                self._history.add(*step)
 
     def release(self, key: int) -> None:
         self._rows.pop(key, None)
