@@ -58,4 +58,17 @@ def measure_step_times(
             seconds[width] = min(seconds[width], time.perf_counter() - begun)
             for seq in seqs:
                 cache.truncate(seq, context)
-    return seconds
+    return _pool_tiled(seconds, batch, tile, tile_rows)
+
+
+def _pool_tiled(seconds: dict[int, float], batch: int, tile: int | None, tile_rows: int | None) -> dict[int, float]:
+    """Tiled passes of every width up to the tile are one and the same computation: their
+    measurements differ by noise alone, so all of them get the best. Otherwise the step loop would
+    pick a 'cheapest' width by noise and the cost model see wide passes dearer or cheaper than they are."""
+    if tile is None or (tile_rows is not None and batch > tile_rows):
+        return seconds
+    same = [w for w in seconds if w <= tile]
+    if not same:
+        return seconds
+    best = min(seconds[w] for w in same)
+    return {w: best if w <= tile else s for w, s in seconds.items()}

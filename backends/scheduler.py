@@ -802,7 +802,7 @@ class Scheduler:
             totals = self.drafter_totals[name]
             totals.target_step_s = step_s
             cut = sum(declined[b] for b in group)
-            totals.record(max(drafted), drafted, ok, draft_s, verify_s, [ks[b] for b in group], cut)
+            totals.record(max(drafted), drafted, ok, draft_s, verify_s, [ks[b] for b in group], cut, width)
         for row, k, first, cut, d, n in zip(rows, ks, asked, declined, drafts, accepted, strict=True):
             stats = row.stats
             if stats is None or row.drafter is None:
@@ -810,7 +810,7 @@ class Scheduler:
             stats.target_step_s = step_s
             # A row pays drafting time on the steps it drafted in, verified or not.
             draft_s = drafting.seconds.get(row.drafter.name, 0.0) if first else 0.0
-            stats.record(len(d), [len(d)], [n], draft_s, verify_s, requested=[k], declined=cut)
+            stats.record(len(d), [len(d)], [n], draft_s, verify_s, requested=[k], declined=cut, width=width)
 
     # -- rows leaving -----------------------------------------------------------------------
     def _emit(self, row: Row, tokens: list[int]) -> None:

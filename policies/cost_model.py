@@ -64,6 +64,19 @@ def speedup(
     return tokens_per_step(alpha, k, proposal_rate) / cost
 
 
+def run_speedup(alpha: float, ks: Sequence[int], pass_costs: Sequence[float], draft_cost: float) -> float:
+    """The model's speedup over a run of steps as they ran: step s verified ks[s] drafted tokens
+    (0: none, it emits one token) in a pass costing pass_costs[s] plain passes, and drafting cost
+    draft_cost plain passes in all: Σ E(α, k_s) / (draft_cost + Σ v_s). Which steps drafted and how
+    wide their passes ran are facts of the run; what each step yields is the model's."""
+    if len(ks) != len(pass_costs) or not ks:
+        raise ValueError(f"need one pass cost per step (got {len(ks)} steps, {len(pass_costs)} costs)")
+    cost = draft_cost + float(sum(pass_costs))
+    if cost <= 0:
+        raise ValueError("a run's cost must be positive")
+    return float(sum(expected_tokens(alpha, int(k)) for k in ks)) / cost
+
+
 @dataclass(frozen=True)
 class RowOutlook:
     """One running sequence as the step planner sees it."""

@@ -25,12 +25,13 @@ from transformers import GenerationConfig
 from backends.generation import GenerationRequest, GenerationResult
 from backends.models import LoadedModel, load_model
 from backends.plain import PlainEngine
-from backends.scheduler import LoopSettings, Scheduler
+from backends.scheduler import DEFAULT_TILE_WIDTH, K_LIMIT, LoopSettings, Scheduler
 from backends.speculative.control import StepCosts
 from backends.speculative.drafters import Drafter, ModelDrafter
 from backends.speculative.engine import SpeculativeEngine, step_costs
 from backends.speculative.factory import build_drafter
 from backends.speculative.stats import SpeculationStats
+from policies.cost_model import run_speedup
 from policies.drafters import BENCHED_KINDS, DrafterConfig, DrafterKind, spec
 from policies.profile import AcceptanceMap, ReliabilityBin
 
@@ -41,6 +42,7 @@ from .workloads import PromptSetName, load_prompt_set
 PLAIN = "plain"
 NATURAL_WIDTHS = "plain, natural widths"
 FLOAT32 = "plain, float32"  # the float32 plain backend: what a reduced-precision target must beat
+PREDICTION_TOLERANCE = 0.15  # the lookahead issue's target: measured within 15% of a predicted win
 
 
 class BenchSpecConfig(BenchTarget):
@@ -61,6 +63,16 @@ class BenchSpecConfig(BenchTarget):
     drafter: DrafterConfig = Field(default_factory=DrafterConfig, description="drafter options (kind is ignored)")
     transformers: bool = Field(True, description="also time transformers' assisted generation")
     hf_prompt_lookup_tokens: int = Field(10, ge=1, description="transformers' prompt_lookup_num_tokens")
+    tile_width: int = Field(
+        DEFAULT_TILE_WIDTH,
+        ge=2,
+        le=K_LIMIT + 1,
+        description="reduced precision: width of every loop's width-invariant passes (a lookahead block must fit)",
+    )
+
+    @property
+    def loop(self) -> LoopSettings:
+        return LoopSettings(tile_width=self.tile_width)
 
     @field_validator("fixed_k", mode="before")
     @classmethod
@@ -97,6 +109,17 @@ class RunStats(BaseModel):
     seconds: float
     tokens_per_s: float
     speedup: float = Field(description="tokens/s over plain tokens/s on the same prompts")
+    decode_speedup: float | None = Field(
+        None,
+        description="decoding alone (after each request's first token: prefill is the same work for every "
+        "configuration): plain's seconds per token over this run's",
+    )
+    predicted_speedup: float | None = Field(
+        None,
+        description="the cost model's decode speedup for this run: its steps as they ran (drafted tokens verified, "
+        "pass width), each yielding E(α, k) at the run's α, over the probed pass costs at those widths plus the "
+        "measured drafting time, in 1-token passes",
+    )
     identical: bool = Field(description="greedy tokens equal plain decoding's, every prompt")
     diverged_prompts: int = Field(0, description="prompts whose greedy tokens differ from plain decoding's")
     acceptance_rate: float | None = None
@@ -121,6 +144,12 @@ class BenchSpecReport(BaseModel):
     )
     categories: list[CategoryResult]
     geomean_speedup: dict[str, float] = Field(description="per configuration, over categories")
+    geomean_decode: dict[str, float] = Field(
+        default_factory=dict, description="per configuration timed per token: decode speedup, over categories"
+    )
+    geomean_predicted: dict[str, float] = Field(
+        default_factory=dict, description="per speculative configuration: the cost model's decode speedup"
+    )
     geomean_versus_transformers: dict[str, float]
     calibration: list[CalibrationScore] = Field(default_factory=list)
     auto_versus_best_fixed: dict[str, dict[str, float]] = Field(
@@ -137,6 +166,8 @@ class _Tally:
     tokens: int = 0
     seconds: float = 0.0
     diverged: int = 0
+    decode_tokens: int = 0  # after each request's first
+    decode_s: float = 0.0
     results: list[GenerationResult] = field(default_factory=list)
 
 
@@ -158,7 +189,7 @@ def run_bench_spec(config: BenchSpecConfig) -> BenchSpecReport:
         _warm_up(runners, config, bar)
         for category, prompts in work.items():
             requests = [GenerationRequest(messages=p.messages, max_tokens=config.max_tokens) for p in prompts]
-            results.append(_category(category, requests, runners, pairs, bar))
+            results.append(_category(category, requests, runners, pairs, bar, _pass_cost(costs)))
     measured = {str(w): s * 1e3 for (b, w), s in sorted(costs.target_s.items()) if b == 1}
     scores = [*maps, *(_live_score(kind, engine, config.prompt_set) for kind, engine in engines.items())]
     return _report(config, loaded, results, measured, [s for s in scores if s is not None])
@@ -173,13 +204,13 @@ def _runners(
     plain = PlainEngine(loaded)
     drafters = {kind: build_drafter(config.drafter.of(kind), loaded) for kind in config.drafters}
     widest = max([max(config.k_max, *config.fixed_k) + 1, *(d.widest_block for d in drafters.values())])
-    costs = step_costs(loaded, max_width=widest)
+    costs = step_costs(loaded, max_width=widest, settings=config.loop)
     runners: dict[str, Runner] = {PLAIN: lambda r: plain.generate([r])[0]}
-    if LoopSettings().tile(loaded.info.dtype) is not None:
+    if config.loop.tile(loaded.info.dtype) is not None:
         # Reduced precision: the exact reference is the plain step loop, width-invariant as the plain
         # backend serves it; plain decoding at natural widths runs beside it, for its speed and its drift.
         # And the float32 plain backend's loop, the exact reference a reduced precision competes with.
-        loop = Scheduler(loaded)
+        loop = Scheduler(loaded, config.loop)
         reference = Scheduler(load_model(config.model, "float32", config.device, config.threads))
         runners = {
             PLAIN: lambda r: loop.generate([r])[0],
@@ -195,7 +226,9 @@ def _runners(
         if fitted is not None and fitted.brier is not None:
             scores.append(_map_score(kind, fitted))
         for k in (*config.fixed_k, "auto"):  # a fresh drafter per engine, sharing any draft model
-            engine = SpeculativeEngine(loaded, drafter.fresh(), k=k, k_max=config.k_max, costs=costs, acceptance=fitted)
+            engine = SpeculativeEngine(
+                loaded, drafter.fresh(), k=k, k_max=config.k_max, costs=costs, settings=config.loop, acceptance=fitted
+            )
             runners[f"{kind} k={k}"] = _engine_runner(engine)
         autos[kind] = engine
         if not config.transformers:
@@ -217,7 +250,7 @@ def _runners(
 def _calibrate(loaded: LoadedModel, drafter: Drafter, costs: StepCosts, config: BenchSpecConfig) -> AcceptanceMap:
     """The drafter's acceptance map, fitted the way the profiler fits it: the project set's
     prompts, each category as one greedy batch at fixed k = k_max, every judged position."""
-    engine = SpeculativeEngine(loaded, drafter.fresh(), k=config.k_max, costs=costs)
+    engine = SpeculativeEngine(loaded, drafter.fresh(), k=config.k_max, costs=costs, settings=config.loop)
     prompt_set = load_prompt_set("project")
     categories = config.categories or list(prompt_set.categories)
     for category in tqdm(categories, desc=f"acceptance map {drafter.name}", unit="category", leave=False):
@@ -295,8 +328,19 @@ def _warm_up(runners: dict[str, Runner], config: BenchSpecConfig, bar: tqdm) -> 
         bar.update()
 
 
+def _pass_cost(costs: StepCosts) -> Callable[[int], float]:
+    """A batch-1 pass of this width in 1-token passes, by the run's step-cost table (its shape is
+    probed; its level, tracked over the run, cancels out)."""
+    return lambda width: costs.seconds(1, width) / costs.seconds(1, 1)
+
+
 def _category(
-    category: str, requests: list[GenerationRequest], runners: dict[str, Runner], pairs: dict[str, str], bar: tqdm
+    category: str,
+    requests: list[GenerationRequest],
+    runners: dict[str, Runner],
+    pairs: dict[str, str],
+    bar: tqdm,
+    pass_cost: Callable[[int], float],
 ) -> CategoryResult:
     tallies = {name: _Tally() for name in runners}
     names = list(runners)
@@ -312,14 +356,16 @@ def _category(
             tally.seconds += elapsed
             if isinstance(output, GenerationResult):
                 tally.results.append(output)
+                tally.decode_tokens += max(0, len(output.token_ids) - 1)
+                tally.decode_s += output.tpot_s * max(0, len(output.token_ids) - 1)
             bar.update()
         reference = _tokens(outputs[PLAIN])
         for name, output in outputs.items():
             tokens = _tokens(output)
             tallies[name].tokens += len(tokens)
             tallies[name].diverged += tokens != reference
-    plain_rate = tallies[PLAIN].tokens / tallies[PLAIN].seconds
-    runs = [_run_stats(name, tally, plain_rate) for name, tally in tallies.items()]
+    plain = tallies[PLAIN]
+    runs = [_run_stats(name, tally, plain, pass_cost) for name, tally in tallies.items()]
     rates = {run.name: run.tokens_per_s for run in runs}
     versus = {f"{ours} / {theirs}": rates[ours] / rates[theirs] for ours, theirs in pairs.items()}
     return CategoryResult(category=category, prompts=len(requests), runs=runs, versus_transformers=versus)
@@ -329,24 +375,33 @@ def _tokens(output: GenerationResult | list[int]) -> list[int]:
     return output.token_ids if isinstance(output, GenerationResult) else output
 
 
-def _run_stats(name: str, tally: _Tally, plain_rate: float) -> RunStats:
+def _run_stats(name: str, tally: _Tally, plain: _Tally, pass_cost: Callable[[int], float]) -> RunStats:
     rate = tally.tokens / tally.seconds
     stats = [r.speculation for r in tally.results if r.speculation is not None]
     spec: dict[str, float] = {}
+    if tally.decode_tokens and tally.decode_s > 0 and plain.decode_s > 0:
+        spec["decode_speedup"] = (plain.decode_s / plain.decode_tokens) / (tally.decode_s / tally.decode_tokens)
     if stats:
         total = SpeculationStats.combined(stats)
-        spec = {
+        spec |= {
             "acceptance_rate": total.acceptance_rate,
             "mean_accepted_length": total.mean_accepted_length,
             "gamma": total.gamma,
             "mean_k": sum(total.k_history) / len(total.k_history) if total.k_history else 0.0,
         }
+        if total.k_history and total.target_step_s > 0:
+            spec["predicted_speedup"] = run_speedup(
+                total.alpha,
+                total.k_history,
+                [pass_cost(w) for w in total.width_history],
+                total.draft_time_s / total.target_step_s,
+            )
     return RunStats(
         name=name,
         tokens=tally.tokens,
         seconds=tally.seconds,
         tokens_per_s=rate,
-        speedup=rate / plain_rate,
+        speedup=rate / (plain.tokens / plain.seconds),
         identical=tally.diverged == 0,
         diverged_prompts=tally.diverged,
         **spec,
@@ -362,6 +417,7 @@ def _report(
 ) -> BenchSpecReport:
     names = [run.name for run in results[0].runs]
     geomean = {name: _geomean([next(r.speedup for r in c.runs if r.name == name) for c in results]) for name in names}
+    predicted, decode = _geomeans(results, "predicted_speedup"), _geomeans(results, "decode_speedup")
     versus_names = list(results[0].versus_transformers)
     versus = {name: _geomean([c.versus_transformers[name] for c in results]) for name in versus_names}
     return BenchSpecReport(
@@ -371,6 +427,8 @@ def _report(
         step_costs_ms=step_costs_ms,
         categories=results,
         geomean_speedup=geomean,
+        geomean_decode=decode,
+        geomean_predicted=predicted,
         geomean_versus_transformers=versus,
         calibration=calibration,
         auto_versus_best_fixed={kind: _auto_over_fixed(kind, config, results) for kind in config.drafters},
@@ -386,6 +444,15 @@ def _auto_over_fixed(kind: str, config: BenchSpecConfig, results: list[CategoryR
         rates = {run.name: run.tokens_per_s for run in category.runs}
         out[category.category] = rates[f"{kind} k=auto"] / max(rates[f"{kind} k={k}"] for k in config.fixed_k)
     return out
+
+
+def _geomeans(results: list[CategoryResult], figure: str) -> dict[str, float]:
+    """Per configuration that has this figure in every category, its geometric mean over them."""
+    values: dict[str, list[float]] = {}
+    for category in results:
+        for run in category.runs:
+            values.setdefault(run.name, []).append(getattr(run, figure) or 0.0)
+    return {name: _geomean(v) for name, v in values.items() if all(v)}
 
 
 def _geomean(values: list[float]) -> float:
@@ -408,15 +475,22 @@ def render_report(report: BenchSpecReport) -> str:
     if report.step_costs_ms:
         costs = "  ".join(f"{w}:{ms:.0f}" for w, ms in report.step_costs_ms.items())
         lines.append(f"target pass (ms) by new tokens per pass, probed then tracked over the run: {costs}")
-    header = f"  {'configuration':28} {'tok/s':>7} {'speedup':>8} {'α':>5} {'acc.len':>7} {'γ':>6} {'k̄':>5}  same"
+    header = f"  {'configuration':28} {'tok/s':>7} {'speedup':>8} {'decode':>7} {'model':>6} {'α':>5} {'acc.len':>7}"
+    header += f" {'γ':>6} {'k̄':>5}  same"
     for category in report.categories:
         lines += ["", f"{category.category} ({category.prompts} prompts)", header]
         lines += [_run_line(run) for run in category.runs]
         lines += [
             f"  ours over transformers: {name} = {ratio:.2f}×" for name, ratio in category.versus_transformers.items()
         ]
-    lines += ["", "geometric mean over categories — speedup over plain:"]
-    lines += [f"  {name:28} {value:6.2f}×" for name, value in report.geomean_speedup.items()]
+    lines += ["", "geometric mean over categories — speedup over plain; decoding alone; the cost model's:"]
+    lines += [
+        f"  {name:28} {value:6.2f}×"
+        + (f" {report.geomean_decode[name]:6.2f}×" if name in report.geomean_decode else "")
+        + (f" {report.geomean_predicted[name]:6.2f}×" if name in report.geomean_predicted else "")
+        for name, value in report.geomean_speedup.items()
+    ]
+    lines += _prediction_lines(report)
     lines += [f"  {name}: {value:.2f}×" for name, value in report.geomean_versus_transformers.items()]
     if report.geomean_over_float32:
         exact = {r.name for c in report.categories for r in c.runs}
@@ -446,12 +520,33 @@ def render_report(report: BenchSpecReport) -> str:
     return "\n".join(lines)
 
 
+def _prediction_lines(report: BenchSpecReport) -> list[str]:
+    """Where the cost model predicted a win, how far the measured speedup fell from it."""
+    wins = [(c.category, r) for c in report.categories for r in c.runs if (r.predicted_speedup or 0.0) > 1.0]
+    if not wins:
+        return ["", "the cost model predicted a win for no configuration in any category"]
+    ratios = [(c, r, (r.decode_speedup or 0.0) / (r.predicted_speedup or 1.0)) for c, r in wins]
+    within = sum(abs(ratio - 1.0) <= PREDICTION_TOLERANCE for _, _, ratio in ratios)
+    lines = [
+        "",
+        f"where the cost model predicted a win: {within} of {len(wins)} category runs' decode speedup within "
+        f"{PREDICTION_TOLERANCE:.0%} of it (measured / predicted):",
+    ]
+    lines += [f"  {category:16} {r.name:28} {ratio:5.2f}" for category, r, ratio in ratios]
+    return lines
+
+
 def _run_line(run: RunStats) -> str:
     def number(value: float | None, digits: int = 2) -> str:
         return "—" if value is None else f"{value:.{digits}f}"
 
+    def times(value: float | None) -> str:
+        return "—" if value is None else f"{value:.2f}×"
+
     return (
-        f"  {run.name:28} {run.tokens_per_s:7.1f} {run.speedup:7.2f}× {number(run.acceptance_rate):>5} "
+        f"  {run.name:28} {run.tokens_per_s:7.1f} {run.speedup:7.2f}× {times(run.decode_speedup):>7} "
+        f"{times(run.predicted_speedup):>6} "
+        f"{number(run.acceptance_rate):>5} "
         f"{number(run.mean_accepted_length):>7} {number(run.gamma, 3):>6} {number(run.mean_k, 1):>5}  "
         f"{'yes' if run.identical else f'NO ({run.diverged_prompts} differ)'}"
     )

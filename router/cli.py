@@ -322,6 +322,12 @@ def _add_bench_spec_args(parser: argparse.ArgumentParser) -> None:
     )
     _add_drafter_args(parser)
     parser.add_argument("--no-transformers", action="store_true", help="skip transformers' assisted generation")
+    parser.add_argument(
+        "--tile-width",
+        type=int,
+        help="bfloat16/float16: positions of every width-invariant pass (a lookahead block must fit in it; "
+        "default: the step loop's tile_width)",
+    )
     parser.add_argument("--out", default="bench-spec.json", help="where the JSON results go ('-' for none)")
     parser.add_argument("--json", action="store_true", help="print the JSON instead of the tables")
     _add_model_args(parser)
@@ -561,6 +567,7 @@ def run_bench_spec(args: argparse.Namespace) -> int:
         calibrate=not args.no_calibrate,
         drafter=_drafter_options(args),
         transformers=not args.no_transformers,
+        **({"tile_width": args.tile_width} if args.tile_width is not None else {}),
     )
     _quiet_model_loading()
     report = run_bench_spec(config)

@@ -147,6 +147,9 @@ class BlockShape:
     depth: int
 
 
+TIE = 1e-9  # relative: rates this close are equal (the mean of equal pass costs may differ in its last bit)
+
+
 def _halvings(most: int) -> tuple[int, ...]:
     """most, most/2, most/4, … 1 (rounded up): the grid of columns and guesses k = auto tries."""
     sizes, size = {most}, most
@@ -190,7 +193,10 @@ class ShapeHistory:
 
     def choose(self, ngram: int, cap: int, pass_s: Sequence[float]) -> tuple[BlockShape | None, float]:
         """The shape with the most tokens per second by these steps and the measured pass seconds
-        per width (pass_s[w − 1]), and its rate; None where a plain 1-token pass does better."""
+        per width (pass_s[w − 1]), and its rate; None where a plain 1-token pass does better. A
+        shape that only ties with it runs: the window's columns it runs advance and feed the pool,
+        which the history cannot credit (where passes of every width cost the same, as tiled
+        bfloat16 passes do, a history with no match yet would otherwise switch lookahead off)."""
         best, count = np.stack(self._best), np.stack(self._count)
         seconds_at = np.asarray(pass_s, dtype=np.float64)
         window = np.asarray(self.columns)[None, :, None] * (ngram - 1)
@@ -199,8 +205,9 @@ class ShapeHistory:
             tokens = 1.0 + np.minimum(best, depth).mean(axis=0)
             seconds = seconds_at[1 + window + count * depth - 1].mean(axis=0)
             i, j = np.unravel_index(int(np.argmax(tokens / seconds)), tokens.shape)
-            if tokens[i, j] / seconds[i, j] > rate:
-                chosen, rate = BlockShape(self.columns[i], self.guesses[j], depth), tokens[i, j] / seconds[i, j]
+            value = tokens[i, j] / seconds[i, j]
+            if value > rate or (chosen is None and value >= rate * (1.0 - TIE)):
+                chosen, rate = BlockShape(self.columns[i], self.guesses[j], depth), value
         return chosen, rate
 
 

@@ -29,6 +29,9 @@ class SpeculationStats(BaseModel):
     verify_time_s: float = Field(0.0, description="target passes that verified drafts")
     target_step_s: float = Field(0.0, description="measured 1-token target pass at this batch size")
     k_history: list[int] = Field(default_factory=list, description="drafted tokens verified at each step")
+    width_history: list[int] = Field(
+        default_factory=list, description="positions of each step's target pass (a structured block's, or padded)"
+    )
 
     @computed_field
     @property
@@ -93,6 +96,7 @@ class SpeculationStats(BaseModel):
             verify_time_s=sum(p.verify_time_s for p in parts),
             target_step_s=sum(p.target_step_s for p in parts) / len(parts),
             k_history=[k for p in parts for k in p.k_history],
+            width_history=[w for p in parts for w in p.width_history],
         )
 
     def record(
@@ -104,9 +108,11 @@ class SpeculationStats(BaseModel):
         verify_s: float,
         requested: Sequence[int] | None = None,
         declined: int = 0,
+        width: int | None = None,
     ) -> None:
         """One target pass: the k used (drafted tokens verified), and per sequence in the pass its
-        drafted and accepted counts and the k it asked for (default: k for every sequence)."""
+        drafted and accepted counts and the k it asked for (default: k for every sequence); the
+        pass's width (default k + 1)."""
         for asked, count, ok in zip(requested or [k] * len(drafted), drafted, accepted, strict=True):
             if asked:
                 self.requested_steps += 1
@@ -115,6 +121,7 @@ class SpeculationStats(BaseModel):
         self.steps += 1
         self.declined_tokens += declined
         self.k_history.append(k)
+        self.width_history.append(k + 1 if width is None else width)
         self.draft_time_s += draft_s
         if any(drafted):
             self.verify_time_s += verify_s

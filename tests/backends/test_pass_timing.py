@@ -33,3 +33,10 @@ def test_every_round_goes_round_every_width_after_one_untimed_pass(tiny_target, 
 def test_rounds_stop_after_two_once_they_have_taken_enough(tiny_target, passes):
     measure_step_times(tiny_target.model, 1, [1, 3], context=8, repeats=6, enough_s=0.0)
     assert passes == [1] + [1, 3] * 2
+
+
+def test_tiled_widths_are_one_computation_so_they_share_the_best_time(tiny_target):
+    tiled = measure_step_times(tiny_target.model, 1, [1, 2, 4], context=8, repeats=2, tile=4, tile_rows=1)
+    assert len(set(tiled.values())) == 1  # every pass ran 4 positions wide: any difference was noise
+    untiled = measure_step_times(tiny_target.model, 2, [1, 2, 4], context=8, repeats=2, tile=4, tile_rows=1)
+    assert len(set(untiled.values())) == 3  # two rows are past tile_rows: natural widths, timed apart

@@ -13,6 +13,7 @@ from policies.cost_model import (
     knee,
     per_token_seconds,
     plan_step,
+    run_speedup,
     speedup,
     step_cost,
     step_model,
@@ -46,6 +47,17 @@ def test_speedup_is_tokens_over_cost_and_one_for_a_plain_step():
     assert speedup(0.8, 4, c=0.05, v=1.2) == pytest.approx(expected_tokens(0.8, 4) / (4 * 0.05 + 1.2))
     with pytest.raises(ValueError, match=r"step cost must be positive \(k=0, c=0\.0, v=0\.0\)"):
         speedup(0.5, 0, c=0.0, v=0.0)
+
+
+def test_a_runs_speedup_is_its_steps_expected_tokens_over_their_costs():
+    # Steps that all drafted k at one width are the closed form; a step with no draft yields one token.
+    alpha, k, c, v = 0.7, 3, 0.04, 1.25
+    assert run_speedup(alpha, [k] * 10, [v] * 10, 10 * k * c) == pytest.approx(speedup(alpha, k, c, v))
+    assert run_speedup(0.9, [0, 0], [1.0, 1.0], 0.0) == 1.0
+    mixed = run_speedup(0.5, [2, 0, 4], [1.3, 1.0, 1.6], 0.2)
+    assert mixed == pytest.approx((1.75 + 1.0 + 1.9375) / (0.2 + 1.3 + 1.0 + 1.6))
+    with pytest.raises(ValueError, match="one pass cost per step"):
+        run_speedup(0.5, [1, 2], [1.0], 0.0)
 
 
 def _solo(alpha: float, cap: int = 8, drafter: str = "d", rho: float = 1.0) -> RowOutlook:

@@ -43,9 +43,21 @@ def test_bench_spec_compares_every_configuration_on_the_same_prompts(loaded):
         assert row.startswith(prefix), (run.name, row)
         fields = row[len(prefix) :].split()
         alpha = "—" if run.acceptance_rate is None else f"{run.acceptance_rate:.2f}"
-        assert fields[:3] == [f"{run.tokens_per_s:.1f}", f"{run.speedup:.2f}×", alpha] and fields[-1] == "yes"
+        decode, model = (
+            "—" if value is None else f"{value:.2f}×" for value in (run.decode_speedup, run.predicted_speedup)
+        )
+        assert fields[:5] == [f"{run.tokens_per_s:.1f}", f"{run.speedup:.2f}×", decode, model, alpha]
+        assert fields[-1] == "yes"
     auto_fields = rows[2][len(f"  {auto.name:28} ") :].split()
-    assert auto_fields[3:6] == [f"{auto.mean_accepted_length:.2f}", f"{auto.gamma:.3f}", f"{auto.mean_k:.1f}"]
+    assert auto_fields[5:8] == [f"{auto.mean_accepted_length:.2f}", f"{auto.gamma:.3f}", f"{auto.mean_k:.1f}"]
+    # Decoding alone (after the first token) for every run timed per token, plain's own 1×; the cost
+    # model's speedup for each speculative run (its α, its steps' widths, the probed costs).
+    assert category.runs[0].decode_speedup == pytest.approx(1.0) and category.runs[3].decode_speedup is None
+    assert all(run.decode_speedup > 0 for run in category.runs[:3])
+    assert [run.predicted_speedup is not None for run in category.runs] == [False, True, True, False]
+    assert all(0.0 < run.predicted_speedup < config.k_max + 1 for run in category.runs[1:3])
+    predicted = report.geomean_predicted["ngram k=auto"]
+    assert f" {report.geomean_decode['ngram k=auto']:6.2f}× {predicted:6.2f}×" in text
     assert f"  ours over transformers: ngram k=auto / transformers prompt lookup = {ratio:.2f}×" in rows
     # Timed on the held-out set, with the acceptance map fitted on the project set and scored on both.
     assert report.config.prompt_set == "heldout" and "of the heldout set" in text

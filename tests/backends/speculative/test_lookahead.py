@@ -164,6 +164,12 @@ def test_the_history_costs_smaller_shapes_from_whole_window_steps():
     late = ShapeHistory(columns=4, guesses=4, most=8)
     late.record([0, 2], [0, 3])  # only the last column's n-gram matched: the whole window it is
     assert late.choose(ngram=3, cap=2, pass_s=flat)[0] == BlockShape(4, 2, 2)
+    # No match yet where every width costs the same: a shape ties with a plain pass, and runs, so its
+    # window keeps feeding the pool (off, nothing would ever match); where width costs, it stays off.
+    empty = ShapeHistory(columns=4, guesses=4, most=8)
+    empty.record([0, 0], [0, 1])
+    assert empty.choose(ngram=3, cap=2, pass_s=flat) == (BlockShape(1, 1, 1), 1.0)
+    assert empty.choose(ngram=3, cap=2, pass_s=[1.0] + [1.0 + 1e-6] * 16) == (None, 1.0)
 
 
 def test_auto_probes_the_whole_block_then_runs_the_shape_that_pays_or_none():
@@ -202,6 +208,13 @@ def test_the_step_loop_serving_lookahead_emits_the_targets_greedy_tokens(tiny_ta
     for k in (ngram - 1, "auto"):
         results = Scheduler(tiny_target, LoopSettings(), [drafter.fresh()], k=k).generate(requests)
         assert [r.token_ids for r in results] == [r.token_ids for r in plain], k
+        # Each step's pass width is kept beside its k (the cost model prices a run at those widths):
+        # a fixed-k step runs the whole window and the candidates the pool has, at most the block, or
+        # (too few tokens left for a block) a 1-token pass.
+        widths = [w for r in results for w in r.speculation.width_history]
+        assert len(widths) == sum(len(r.speculation.k_history) for r in results)
+        assert max(widths) <= drafter.widest_block and max(widths) > window * (ngram - 1)
+        assert k == "auto" or all(w == 1 or w > window * (ngram - 1) for w in widths)
 
 
 @pytest.mark.slow
