@@ -193,10 +193,12 @@ class ShapeHistory:
 
     def choose(self, ngram: int, cap: int, pass_s: Sequence[float]) -> tuple[BlockShape | None, float]:
         """The shape with the most tokens per second by these steps and the measured pass seconds
-        per width (pass_s[w − 1]), and its rate; None where a plain 1-token pass does better. A
-        shape that only ties with it runs: the window's columns it runs advance and feed the pool,
-        which the history cannot credit (where passes of every width cost the same, as tiled
-        bfloat16 passes do, a history with no match yet would otherwise switch lookahead off)."""
+        per width (pass_s[w − 1]), and its rate; None where a plain 1-token pass does better. Ties
+        go to running more of the window: the columns a step runs advance and feed the pool, which
+        the history cannot credit. So a shape that only ties with a plain pass runs (where passes of
+        every width cost the same, as tiled bfloat16 passes do, a history with no match yet would
+        otherwise switch lookahead off), and among tying shapes the one with the most columns, then
+        the most guesses."""
         best, count = np.stack(self._best), np.stack(self._count)
         seconds_at = np.asarray(pass_s, dtype=np.float64)
         window = np.asarray(self.columns)[None, :, None] * (ngram - 1)
@@ -204,8 +206,9 @@ class ShapeHistory:
         for depth in range(1, cap + 1):
             tokens = 1.0 + np.minimum(best, depth).mean(axis=0)
             seconds = seconds_at[1 + window + count * depth - 1].mean(axis=0)
-            i, j = np.unravel_index(int(np.argmax(tokens / seconds)), tokens.shape)
-            value = tokens[i, j] / seconds[i, j]
+            rates = tokens / seconds
+            i, j = np.argwhere(rates >= rates.max() * (1.0 - TIE))[-1]  # row-major: the most columns, then guesses
+            value = rates[i, j]
             if value > rate or (chosen is None and value >= rate * (1.0 - TIE)):
                 chosen, rate = BlockShape(self.columns[i], self.guesses[j], depth), value
         return chosen, rate

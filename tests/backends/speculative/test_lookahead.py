@@ -156,19 +156,23 @@ def test_the_history_costs_smaller_shapes_from_whole_window_steps():
     assert history.columns == (1, 2, 4) and history.guesses == (1, 2, 4)
     for _ in range(3):  # the newest candidate, from column 0, matches both tokens; the rest nothing
         history.record([2, 0, 0, 0], [0, 3, 3, 3])
-    flat = [1.0] * 17  # every width costs a 1-token pass: the most tokens win, then the narrowest
-    assert history.choose(ngram=3, cap=2, pass_s=flat) == (BlockShape(1, 1, 2), 3.0)
-    assert history.choose(ngram=3, cap=1, pass_s=flat) == (BlockShape(1, 1, 1), 2.0)
+    # Every width costs a 1-token pass: the most tokens win, then the widest (its window advances for free).
+    flat = [1.0] * 17
+    assert history.choose(ngram=3, cap=2, pass_s=flat) == (BlockShape(4, 4, 2), 3.0)
+    assert history.choose(ngram=3, cap=1, pass_s=flat) == (BlockShape(4, 4, 1), 2.0)
+    # Where width costs a little, the narrowest window that matches (G′ = 1, 2 or 4 verify the same one candidate).
+    rising = [1.0 + 0.01 * w for w in range(17)]
+    assert history.choose(ngram=3, cap=2, pass_s=rising)[0] == BlockShape(1, 4, 2)
     steep = [float(w) for w in range(1, 18)]  # a 5-wide pass costs 5 plain ones: 3 tokens do not pay
     assert history.choose(ngram=3, cap=2, pass_s=steep) == (None, 1.0)
     late = ShapeHistory(columns=4, guesses=4, most=8)
     late.record([0, 2], [0, 3])  # only the last column's n-gram matched: the whole window it is
-    assert late.choose(ngram=3, cap=2, pass_s=flat)[0] == BlockShape(4, 2, 2)
+    assert late.choose(ngram=3, cap=2, pass_s=rising)[0] == BlockShape(4, 4, 2)  # G′ = 2 or 4: the same two
     # No match yet where every width costs the same: a shape ties with a plain pass, and runs, so its
     # window keeps feeding the pool (off, nothing would ever match); where width costs, it stays off.
     empty = ShapeHistory(columns=4, guesses=4, most=8)
     empty.record([0, 0], [0, 1])
-    assert empty.choose(ngram=3, cap=2, pass_s=flat) == (BlockShape(1, 1, 1), 1.0)
+    assert empty.choose(ngram=3, cap=2, pass_s=flat) == (BlockShape(4, 4, 1), 1.0)
     assert empty.choose(ngram=3, cap=2, pass_s=[1.0] + [1.0 + 1e-6] * 16) == (None, 1.0)
 
 
@@ -181,7 +185,8 @@ def test_auto_probes_the_whole_block_then_runs_the_shape_that_pays_or_none():
     assert block.probe and len(block.tokens) == 1 + 2 * 2  # no candidates yet, the whole window
     for _ in range(4):
         drafter._history.record([2], [0])  # what whole-block steps of other rows found
-    assert drafter.plan_block(row, 2, flat) == 2 and drafter._rows[3].shape == BlockShape(1, 1, 2)
+    rising = [1.0 + 0.01 * w for w in range(drafter.widest_block)]
+    assert drafter.plan_block(row, 2, rising) == 2 and drafter._rows[3].shape == BlockShape(1, 2, 2)
     drafter._rows[3].pool.add([9, 1, 2], column=0)
     drafter._rows[3].pool.add([9, 3, 4], column=1)
     block = drafter.propose([row], [2]).structured[0]
