@@ -356,8 +356,9 @@ def _category(
             tally.seconds += elapsed
             if isinstance(output, GenerationResult):
                 tally.results.append(output)
-                tally.decode_tokens += max(0, len(output.token_ids) - 1)
-                tally.decode_s += output.tpot_s * max(0, len(output.token_ids) - 1)
+                after_first = max(0, len(output.token_ids) - 1)
+                tally.decode_tokens += after_first
+                tally.decode_s += output.tpot_s * after_first
             bar.update()
         reference = _tokens(outputs[PLAIN])
         for name, output in outputs.items():
@@ -415,8 +416,7 @@ def _report(
     step_costs_ms: dict[str, float],
     calibration: list[CalibrationScore],
 ) -> BenchSpecReport:
-    names = [run.name for run in results[0].runs]
-    geomean = {name: _geomean([next(r.speedup for r in c.runs if r.name == name) for c in results]) for name in names}
+    geomean = _geomeans(results, "speedup")
     predicted, decode = _geomeans(results, "predicted_speedup"), _geomeans(results, "decode_speedup")
     versus_names = list(results[0].versus_transformers)
     versus = {name: _geomean([c.versus_transformers[name] for c in results]) for name in versus_names}
