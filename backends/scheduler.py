@@ -468,7 +468,7 @@ class Scheduler:
         if self.k != "auto" or not any(caps):
             return [min(self.k_max, c) for c in caps]
         assert self.costs is not None
-        pass_s = [self.costs.seconds(batch, w) for w in range(1, self.costs.max_width + 1)]
+        pass_s = self._pass_seconds(batch)
         eligible = [r for r, cap in zip(rows, caps, strict=True) if cap]
         draft_s, catch_up = {}, {}
         for name, drafter in self.drafters.items():
