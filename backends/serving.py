@@ -28,7 +28,6 @@ from .streaming import StreamEvent, TextStream, token_event
 
 log = logging.getLogger("specroute.serving")
 RECENT = 64  # finished requests the Retry-After estimate looks back on
-OBSERVE_S = 0.5
 
 
 @dataclass
@@ -46,9 +45,10 @@ class ServingLoop:
         max_queued: int | None = None,
         observer: Callable[[Scheduler], None] | None = None,
     ):
-        """`observer` is called on the loop's thread after a step, at most every `OBSERVE_S` (metrics)."""
+        """`observer` is called on the loop's thread after every step (metrics: e.g.
+        `backends.loop_metrics.LoopRecorder.observe`, which throttles its own export)."""
         self.scheduler = scheduler
-        self.observer, self.observed_at = observer, 0.0
+        self.observer = observer
         self.tokenizer = scheduler.tokenizer
         settings = scheduler.settings
         self.capacity = settings.max_batch + (settings.max_queued if max_queued is None else max_queued)
@@ -130,10 +130,8 @@ class ServingLoop:
             self._observe()
 
     def _observe(self) -> None:
-        now = time.perf_counter()
-        if self.observer is None or (now - self.observed_at < OBSERVE_S and not self.scheduler.idle):
+        if self.observer is None:
             return
-        self.observed_at = now
         try:
             self.observer(self.scheduler)
         except Exception:

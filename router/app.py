@@ -1,12 +1,14 @@
 """The HTTP face: OpenAI-compatible routes over a `RouterCore`, with OpenAI-style JSON errors.
 
 Bodies are read and validated here rather than by FastAPI's automatic parsing, so every bad
-request — oversized, not JSON, wrong fields, out-of-range values, over a limit — gets a 4xx with
-`{"error": {"message", "type", "param", "code"}}` saying what to fix.
+request — oversized, slow, not JSON, nested too deep, duplicate keys, numbers or strings Python
+would choke on, wrong fields, out-of-range values, over a limit — gets a 4xx with
+`{"error": {"message", "type", "param", "code"}}` saying what to fix, `param` naming the field.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
@@ -18,13 +20,15 @@ from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from backends.errors import Overloaded, RequestError
-from backends.generation import GenerationResult
+from backends.generation import GenerationRequest, GenerationResult
 from backends.streaming import StreamEvent
 
 from .advise import backend_summaries, to_advice
-from .core import Routed, RouterCore
+from .core import Limits, Prepared, Routed, RouterCore
 from .report import latest_dir
 from .schemas import (
     ChatCompletionRequest,
@@ -36,10 +40,15 @@ from .schemas import (
     new_id,
     now,
 )
+from .strict_json import MAX_INT_DIGITS, BodyRefused, clip, dotted, parse_object
 
 log = logging.getLogger("specroute.app")
 Body = TypeVar("Body", bound=BaseModel)
 MODEL_ALIASES = ("embedded", "default")
+# uvicorn with httptools (what Serve's proxy runs) accepts headers of any size and number.
+MAX_HEADERS = 100
+MAX_HEADER_BYTES = 32 * 1024
+CLOSE = {"Connection": "close"}  # for a refusal sent before the body was read: the rest of it is not wanted
 
 
 class ApiError(Exception):
@@ -69,6 +78,30 @@ class ApiError(Exception):
         return JSONResponse(body.model_dump(), status_code=self.status, headers=self.headers)
 
 
+class HeaderLimits:
+    """431 for a request with more than MAX_HEADERS headers or MAX_HEADER_BYTES of them, before any
+    route runs: the HTTP server in front passes any amount on, and a client should hear why."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        problem = _header_problem(scope["headers"]) if scope["type"] == "http" else None
+        if problem is None:
+            return await self.app(scope, receive, send)
+        error = ApiError(431, problem, code="request_header_fields_too_large", headers=CLOSE)
+        await error.response()(scope, receive, send)
+
+
+def _header_problem(headers: list[tuple[bytes, bytes]]) -> str | None:
+    size = sum(len(name) + len(value) for name, value in headers)
+    if len(headers) > MAX_HEADERS:
+        return f"{len(headers)} request headers exceed the limit of {MAX_HEADERS}: send fewer"
+    if size > MAX_HEADER_BYTES:
+        return f"request headers of {size} bytes exceed the limit of {MAX_HEADER_BYTES} bytes: send smaller ones"
+    return None
+
+
 class AdviseRequest(BaseModel):
     """`POST /v1/advise`: a prompt or messages, and optionally the concurrency to plan for."""
 
@@ -85,6 +118,7 @@ class AdviseRequest(BaseModel):
 def create_app(model_id: str, api_key: str | None = None) -> FastAPI:
     """The app; `install` (or `app.state.core = …`) gives it a `RouterCore` before it serves."""
     app = FastAPI(title="specroute", version="0.1.0", docs_url=None, redoc_url=None)
+    app.add_middleware(HeaderLimits)
     if model_id:  # empty: `install` provides it (the Serve ingress)
         app.state.model_id, app.state.api_key = model_id, api_key
 
@@ -105,8 +139,16 @@ def create_app(model_id: str, api_key: str | None = None) -> FastAPI:
         return ApiError(500, f"internal error ({type(exc).__name__}); the request was not completed").response()
 
     @app.get("/healthz")
-    async def healthz(request: Request) -> dict[str, Any]:
-        return {**_core(request).health(), "model": _setting(request, "model_id")}
+    async def healthz(request: Request) -> JSONResponse:
+        """200 only when every backend has a live replica and the last policy applied; else 503 with why."""
+        health = {**await _core(request).health(), "model": _setting(request, "model_id")}
+        return JSONResponse(health, status_code=200 if health["status"] == "ok" else 503)
+
+    @app.get("/metrics", response_model=None)
+    async def metrics(request: Request) -> Response:
+        """Prometheus text exposition: the router's counters and histograms and each backend's step loop."""
+        body, content_type = await _core(request).metrics_exposition()
+        return Response(body, media_type=content_type, headers={"Cache-Control": "no-store"})
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
@@ -198,21 +240,8 @@ def _authorize(request: Request) -> None:
 
 async def _parse(request: Request, model: type[Body]) -> Body:
     _authorize(request)
-    limit = _core(request).limits.max_body_bytes
-    declared = request.headers.get("content-length")
-    if declared and declared.isdigit() and int(declared) > limit:
-        raise ApiError(413, f"request body of {declared} bytes exceeds the limit of {limit} bytes")
-    raw = bytearray()
-    async for chunk in request.stream():
-        raw += chunk
-        if len(raw) > limit:
-            raise ApiError(413, f"request body exceeds the limit of {limit} bytes")
-    try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ApiError(400, f"the body is not valid JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise ApiError(400, f"the body must be a JSON object, got {type(data).__name__}")
+    _check_content_type(request)
+    data = _decode(await _read_body(request, _core(request).limits))
     try:
         body = model.model_validate(data)
     except ValidationError as exc:
@@ -221,14 +250,60 @@ async def _parse(request: Request, model: type[Body]) -> Body:
     return body
 
 
+def _check_content_type(request: Request) -> None:
+    """JSON only. A request without Content-Type is read as JSON: it is what such a client means,
+    and the body must still parse. (`curl -d` sends a form type, and hears what to add.)"""
+    given = request.headers.get("content-type")
+    if given is not None and given.partition(";")[0].strip().lower() != "application/json":
+        message = (
+            f"Content-Type {clip(given)!r} is not supported: send the body as JSON with "
+            "'Content-Type: application/json' (curl: -H 'Content-Type: application/json')"
+        )
+        raise ApiError(415, message, code="unsupported_media_type", headers=CLOSE)
+
+
+async def _read_body(request: Request, limits: Limits) -> bytes:
+    """The body, at most `max_body_bytes` of it, within `body_timeout_s`: a client trickling it in
+    (slow loris) gets a 408 instead of holding the request open."""
+    limit = limits.max_body_bytes
+    declared = request.headers.get("content-length", "")
+    if declared.isdecimal() and (len(declared) > MAX_INT_DIGITS or int(declared) > limit):
+        message = f"request body of {clip(declared)} bytes exceeds the limit of {limit} bytes: send a shorter one"
+        raise ApiError(413, message, headers=CLOSE)
+    raw = bytearray()
+    try:
+        async with asyncio.timeout(limits.body_timeout_s):
+            async for chunk in request.stream():
+                raw += chunk
+                if len(raw) > limit:
+                    message = f"request body exceeds the limit of {limit} bytes: send a shorter one"
+                    raise ApiError(413, message, headers=CLOSE)
+    except TimeoutError:
+        message = (
+            f"the request body did not arrive within {limits.body_timeout_s:g} s ({len(raw)} bytes came): "
+            "send the whole body at once"
+        )
+        raise ApiError(408, message, code="request_timeout", headers=CLOSE) from None
+    except ClientDisconnect:  # nobody to answer; not worth an "unexpected error" traceback in the log
+        raise ApiError(400, "the client closed the connection before sending the whole body") from None
+    return bytes(raw)
+
+
+def _decode(raw: bytes) -> dict[str, Any]:
+    try:
+        return parse_object(raw)
+    except BodyRefused as exc:
+        raise ApiError(400, str(exc), param=exc.param) from None
+
+
 def _validation_error(exc: ValidationError) -> ApiError:
     problems = []
     for e in exc.errors()[:5]:
-        where = ".".join(str(p) for p in e["loc"]) or "body"
+        where = dotted(e["loc"]) or "body"
         message = "unknown field (not part of this API)" if e["type"] == "extra_forbidden" else e["msg"]
         problems.append(f"{where}: {message}")
     first = exc.errors()[0]["loc"] if exc.errors() else ()
-    return ApiError(400, "; ".join(problems), param=".".join(str(p) for p in first) or None)
+    return ApiError(400, "; ".join(problems), param=dotted(first) or None)
 
 
 def _check_model(request: Request, model: str | None) -> None:
@@ -240,11 +315,8 @@ def _check_model(request: Request, model: str | None) -> None:
 
 async def _complete(request: Request, body: ChatCompletionRequest | CompletionRequest, chat: bool):
     core = _core(request)
-    limits = core.limits
-    messages = len(body.messages) if isinstance(body, ChatCompletionRequest) else 1
     try:
-        generation = body.generation(body.limit(min(limits.default_max_tokens, limits.max_tokens)))
-        prepared = core.prepare(generation, body.specroute, messages)
+        prepared = _admit(core, body)
         routed = core.route(prepared)
     except (RequestError, ValueError) as exc:
         raise ApiError(400, str(exc)) from None
@@ -266,6 +338,44 @@ async def _complete(request: Request, body: ChatCompletionRequest | CompletionRe
     if result is None:
         raise ApiError(500, "the backend ended without a result")
     return JSONResponse(_completion_body(result, routed, _setting(request, "model_id"), chat))
+
+
+def _admit(core: RouterCore, body: ChatCompletionRequest | CompletionRequest) -> Prepared:
+    limits = core.limits
+    chat = isinstance(body, ChatCompletionRequest)
+    max_tokens = body.limit(min(limits.default_max_tokens, limits.max_tokens))
+    messages = len(body.messages) if chat else 1
+    max_tokens_field = "max_completion_tokens" if chat and body.max_completion_tokens else "max_tokens"
+    _check_limits(limits, messages, max_tokens, max_tokens_field)
+    return _prepare(core, body.generation(max_tokens), body.specroute, messages, "messages" if chat else "prompt")
+
+
+def _check_limits(limits: Limits, messages: int, max_tokens: int, max_tokens_field: str) -> None:
+    """The limits `RouterCore.prepare` also enforces that one field decides, checked here first so
+    that the error names the field as the client sent it (`max_completion_tokens` or `max_tokens`)."""
+    if messages > limits.max_messages:
+        message = f"{messages} messages exceed this service's limit of {limits.max_messages}: send fewer"
+        raise ApiError(400, message, param="messages")
+    if max_tokens > limits.max_tokens:
+        message = f"{max_tokens_field} {max_tokens} exceeds this service's limit of {limits.max_tokens}: lower it"
+        raise ApiError(400, message, param=max_tokens_field)
+
+
+def _prepare(
+    core: RouterCore, generation: GenerationRequest, options: SpecrouteOptions, messages: int, prompt_field: str
+) -> Prepared:
+    """`core.prepare`, its refusal naming the field at fault: past `_check_limits` it refuses only
+    an unknown drafter, an unknown category, or a prompt over `max_prompt_tokens`."""
+    try:
+        return core.prepare(generation, options, messages)
+    except RequestError as exc:
+        if options.drafter is not None and options.drafter not in core.drafters:
+            field = "specroute.drafter"
+        elif options.category is not None and options.category not in core.profile.categories:
+            field = "specroute.category"
+        else:
+            field = prompt_field
+        raise ApiError(400, str(exc), param=field) from None
 
 
 async def _first_event(events: AsyncIterator[StreamEvent]) -> StreamEvent:
@@ -358,11 +468,14 @@ async def _sse(
 
 def _advise(request: Request, body: AdviseRequest) -> dict[str, Any]:
     core = _core(request)
+    messages = len(body.messages) if body.messages is not None else 1
+    _check_limits(core.limits, messages, body.max_tokens, "max_tokens")
     try:
         generation = _advise_generation(body)
         if generation is None:
             raise RequestError("give 'prompt' or 'messages'")
-        prepared = core.prepare(generation, body.specroute)
+        prompt_field = "messages" if body.messages is not None else "prompt"
+        prepared = _prepare(core, generation, body.specroute, messages, prompt_field)
         live = sum(core.load.values())
         extra = (body.concurrency - 1 - live) if body.concurrency else 0
         decision, features = core.decide(prepared, extra_load=max(extra, 0))

@@ -25,7 +25,7 @@ import numpy as np
 from tqdm import tqdm
 
 from backends.errors import UserError
-from profiler.workloads import load_prompt_set
+from profiler.workloads import PromptSetName, load_prompt_set
 
 from .load_models import JOIN_LONG_TOKENS, ROUTER, Cell, JoinProbe, Level, LoadConfig, RequestRecord
 from .load_report import LoadReport, build_report
@@ -51,7 +51,7 @@ async def run_load(config: LoadConfig, client: httpx.AsyncClient | None = None, 
     limits = httpx.Limits(max_connections=most, max_keepalive_connections=most)
     client = client or httpx.AsyncClient(timeout=config.timeout_s, limits=limits)
     try:
-        model, health = await _check_service(client, config)
+        model, health = await check_service(client, config)
         started = datetime.now(UTC).isoformat(timespec="seconds")
         records, walls = await _run_schedule(client, config, model, progress)
         join = await probe_joins(client, config, model) if config.join_probe else []
@@ -93,7 +93,7 @@ def _url(config: LoadConfig, path: str) -> str:
     return config.url.rstrip("/") + path
 
 
-async def _check_service(client: httpx.AsyncClient, config: LoadConfig) -> tuple[str, dict[str, Any]]:
+async def check_service(client: httpx.AsyncClient, config: LoadConfig) -> tuple[str, dict[str, Any]]:
     """The model id to request and the service's health; a clear error before any load when
     nothing answers."""
     try:
@@ -105,7 +105,7 @@ async def _check_service(client: httpx.AsyncClient, config: LoadConfig) -> tuple
         if response.status_code != 200:
             raise UserError(
                 f"the service at {config.url} answered {response.request.url.path} with HTTP "
-                f"{response.status_code}: {_error_message(response)}"
+                f"{response.status_code}: {error_message(response)}"
             )
     served = [m["id"] for m in models.json().get("data", [])]
     if not served:
@@ -115,16 +115,16 @@ async def _check_service(client: httpx.AsyncClient, config: LoadConfig) -> tuple
     return config.model or served[0], health.json()
 
 
-def _error_message(response: httpx.Response) -> str:
+def error_message(response: httpx.Response) -> str:
     try:
         return str(response.json()["error"]["message"])
     except (ValueError, KeyError, TypeError):
         return response.text[:200] or response.reason_phrase
 
 
-def prompt_mix(categories: list[str] | None) -> list[Prompt]:
+def prompt_mix(categories: list[str] | None, prompt_set: PromptSetName = "project") -> list[Prompt]:
     """Categories interleaved (chat, code, …, chat, code, …), so even a short cell sees every kind."""
-    known = load_prompt_set().categories
+    known = load_prompt_set(prompt_set).categories
     chosen = {name: known[name] for name in categories or known}
     rounds = itertools.zip_longest(*(c.prompts for c in chosen.values()))
     return [
@@ -183,7 +183,7 @@ async def _run_open_cell(
 
 
 @dataclass
-class _Trace:
+class Trace:
     """What one streamed response told us, with the time each part arrived."""
 
     started: float
@@ -260,7 +260,7 @@ async def timed_request(
         "stream_options": {"include_usage": True},
         "specroute": {"backend": cell.mode, "category": prompt.category, "batching": cell.batching},
     }
-    trace = _Trace(started=time.perf_counter(), first=first)
+    trace = Trace(started=time.perf_counter(), first=first)
     try:
         # httpx's timeout bounds each read; this bounds the whole request, however slowly it streams.
         async with asyncio.timeout(config.timeout_s):
@@ -274,12 +274,12 @@ async def timed_request(
     return trace.record(prompt, cell, cell_start)
 
 
-async def _stream(client: httpx.AsyncClient, config: LoadConfig, body: dict[str, Any], trace: _Trace) -> None:
+async def _stream(client: httpx.AsyncClient, config: LoadConfig, body: dict[str, Any], trace: Trace) -> None:
     url = _url(config, "/v1/chat/completions")
     async with client.stream("POST", url, json=body, headers=_headers(config)) as response:
         if response.status_code >= 400:
             await response.aread()
-            raise StreamError(f"HTTP {response.status_code}: {_error_message(response)}")
+            raise StreamError(f"HTTP {response.status_code}: {error_message(response)}")
         async for line in response.aiter_lines():
             if not line.startswith("data:"):
                 continue  # blank separators, comments and keep-alives

@@ -31,6 +31,7 @@ INPUT_NAMES = {
     "ServiceSettings": "service settings",
     "BackendSettings": "backend settings",
     "LoadConfig": "load settings",
+    "FaultsConfig": "faults settings",
     "TrainConfig": "train-drafter settings",
     "ReportConfig": "report settings",
 }
@@ -135,6 +136,13 @@ def build_parser() -> argparse.ArgumentParser:
             "closed-loop load on the running service: router vs every backend forced, per concurrency",
             _add_bench_load_args,
             run_bench_load,
+        ),
+        (
+            benches,
+            "faults",
+            "faults under load on a service it starts: replicas SIGKILLed, an invalid policy deployed; vs undisturbed",
+            _add_bench_faults_args,
+            run_bench_faults,
         ),
     ]
     for parent, name, help_text, add_args, handler in subcommands:
@@ -375,6 +383,27 @@ def _add_bench_load_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the JSON instead of the table")
 
 
+def _add_bench_faults_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--requests", type=int, default=1000, help="requests per run (undisturbed, then faulted)")
+    parser.add_argument("--concurrency", type=int, default=32, help="closed-loop clients")
+    parser.add_argument("--max-tokens", type=int, default=24)
+    parser.add_argument(
+        "--faults",
+        default="speculative,plain,quantized,policy",
+        help="in this order: SIGKILL a backend's replica (speculative, plain, quantized), deploy an invalid policy",
+    )
+    parser.add_argument(
+        "--routes",
+        default="auto",
+        help="requests cycle through these: auto (the router decides) and backends forced, e.g. "
+        "auto,speculative,plain,quantized so every kill meets requests in flight",
+    )
+    parser.add_argument("--profile", help="profile JSON (default: SPECROUTE_HOME/profiles/…; measured if missing)")
+    parser.add_argument("--port", type=int, default=8000, help="port of the service the bench starts")
+    parser.add_argument("--out", default="bench-faults.json", help="where the JSON results go ('-' for none)")
+    parser.add_argument("--json", action="store_true", help="print the JSON instead of the table")
+
+
 def _add_train_drafter_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kind", required=True, choices=TRAINED_KINDS, help="the drafter to train")
     parser.add_argument("--minutes", type=float, default=10.0, help="training time budget (data generation excluded)")
@@ -461,6 +490,24 @@ def run_bench_load(args: argparse.Namespace) -> int:
     )
     report = asyncio.run(run_load(config))
     return _print_report(args, report, render_load)
+
+
+def run_bench_faults(args: argparse.Namespace) -> int:
+    from router.bench_faults import run_faults
+    from router.fault_models import FaultsConfig, render_faults
+
+    config = FaultsConfig(
+        requests=args.requests,
+        concurrency=args.concurrency,
+        max_tokens=args.max_tokens,
+        faults=_str_list(args.faults),
+        routes=_str_list(args.routes),
+        profile=args.profile,
+        port=args.port,
+    )
+    _quiet_model_loading()
+    report = run_faults(config, log=lambda line: print(line, file=sys.stderr))
+    return _print_report(args, report, render_faults)
 
 
 def run_setup(args: argparse.Namespace) -> int:

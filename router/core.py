@@ -8,16 +8,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field
 from transformers import PreTrainedTokenizerBase
 
 from backends.errors import Overloaded, RequestError
 from backends.generation import GenerationRequest, GenerationResult
+from backends.loop_metrics import LoopSnapshot
 from backends.plain import prompt_ids
 from backends.streaming import StreamEvent
 from policies.config import PolicyConfig, PolicyError, parse_policy
@@ -27,6 +29,7 @@ from policies.profile import Profile, ProfileError
 from policies.serving_dtype import DtypeChoice
 
 from .advise import Predictors, request_features
+from .metrics import ServiceMetrics
 from .schemas import SpecrouteInfo, SpecrouteOptions
 
 log = logging.getLogger("specroute.router")
@@ -42,7 +45,19 @@ class Limits(BaseModel):
     default_max_tokens: int = Field(256, ge=1, description="a chat request without max_tokens gets this")
     max_messages: int = Field(128, ge=1)
     max_body_bytes: int = Field(1 << 20, ge=1024)
-    retries: int = Field(2, ge=0, le=10, description="attempts on the plain backend after a backend fails")
+    retries: int = Field(
+        3, ge=0, le=10, description="attempts after a backend fails (on a backend giving the same tokens)"
+    )
+    quantized_wait_s: float = Field(
+        60.0,
+        ge=0,
+        le=3600,
+        description="how long a request whose quantized replica died waits for a new one (Serve restarts it) "
+        "before it finishes on plain, whose full-precision tokens differ",
+    )
+    body_timeout_s: float = Field(
+        30.0, gt=0, le=3600, description="most seconds a client may take to send its request body (else 408)"
+    )
 
 
 class BackendPool(Protocol):
@@ -51,18 +66,24 @@ class BackendPool(Protocol):
     ) -> AsyncIterator[StreamEvent]: ...
 
 
+@runtime_checkable
+class ObservedPool(Protocol):
+    """A pool that can say whether each backend has a live replica and how its step loop runs
+    (the Serve handles can; in-process test pools need not)."""
+
+    async def health(self) -> dict[str, str | None]:
+        """Each backend's problem (None: it has a live replica)."""
+        ...
+
+    async def loop_snapshots(self) -> list[LoopSnapshot]: ...
+
+
 class Metrics(Protocol):
     def routed(self, backend: str, stage: str) -> None: ...
     def in_flight(self, backend: str, count: int) -> None: ...
     def finished(self, backend: str, result: GenerationResult) -> None: ...
     def retried(self, backend: str) -> None: ...
-
-
-class NoMetrics:
-    def routed(self, backend: str, stage: str) -> None: ...
-    def in_flight(self, backend: str, count: int) -> None: ...
-    def finished(self, backend: str, result: GenerationResult) -> None: ...
-    def retried(self, backend: str) -> None: ...
+    def render(self, snapshots: list[LoopSnapshot]) -> tuple[bytes, str]: ...
 
 
 @dataclass
@@ -127,7 +148,7 @@ class RouterCore:
         )
         self.served_drafters = served_drafters
         self.limits = limits or Limits()
-        self.metrics = metrics or NoMetrics()
+        self.metrics = metrics or ServiceMetrics(ray_export=False)
         self.predictors = Predictors.from_profile(profile)
         self.load: Counter[str] = Counter()
         self.policy_error: str | None = None
@@ -232,12 +253,12 @@ class RouterCore:
 
     # -- running --------------------------------------------------------------------------------
     async def run(self, prepared: Prepared, routed: Routed) -> AsyncIterator[StreamEvent]:
-        """The request's events; a backend failing mid-request is retried on the plain backend,
-        resuming after the tokens already produced, so an accepted request is never lost."""
+        """The request's events; a backend failing mid-request is retried (`_failover`), resuming
+        after the tokens already produced, so an accepted request is never lost or changed."""
         self.metrics.routed(routed.backend, routed.stage)
         sent: list[int] = []
         backend, drafter = routed.backend, routed.drafter
-        attempts = 0
+        attempts, failed_at = 0, None
         while True:
             request = self._resumed(prepared.request, sent)
             try:
@@ -255,16 +276,29 @@ class RouterCore:
                 return
             except (RequestError, asyncio.CancelledError, GeneratorExit):
                 raise
-            except Exception as exc:  # a replica died or an engine failed: retry on plain
+            except Exception as exc:  # a replica died or an engine failed: retry elsewhere
                 attempts += 1
-                if attempts > self.limits.retries:
+                failed_at = failed_at or time.monotonic()  # the wait for a new replica counts from here
+                waiting = self._failover(backend, failed_at) == backend
+                if attempts > self.limits.retries and not waiting:
                     raise
-                log.warning("backend %s failed (%s: %s); retrying on plain", backend, type(exc).__name__, exc)
+                log.warning("backend %s failed (%s: %s); retrying", backend, type(exc).__name__, exc)
                 self.metrics.retried(backend)
                 routed.retried = True
-                backend, drafter = "plain", None
+                backend, drafter = self._failover(backend, failed_at), None
                 routed.weights = self.weights(backend)
-                await asyncio.sleep(0.2 * attempts)
+                await asyncio.sleep(min(0.2 * 2 ** (attempts - 1), 2.0))
+
+    def _failover(self, failed: str, since: float) -> str:
+        """Where a failed attempt goes next. Speculative and plain decoding give the same tokens,
+        so each stands in for the other; the quantized backend's tokens are its own, so its request
+        waits (`quantized_wait_s` from its first failure, `since`) for Serve to restart a quantized
+        replica before it finishes on plain in full precision."""
+        if failed == "plain":
+            return "speculative"
+        if failed == "quantized" and time.monotonic() - since < self.limits.quantized_wait_s:
+            return "quantized"
+        return "plain"
 
     async def _tracked(self, backend: str, request: GenerationRequest, drafter: str | None, batching: str):
         self.load[backend] += 1
@@ -316,16 +350,29 @@ class RouterCore:
         except (ProfileError, KeyError, ValueError) as exc:  # a drafter the profile never measured
             log.info("α feedback skipped: %s", exc)
 
+    async def metrics_exposition(self) -> tuple[bytes, str]:
+        """The Prometheus text of the router's metrics and every backend's step loop it can reach."""
+        snapshots = await self.pool.loop_snapshots() if isinstance(self.pool, ObservedPool) else []
+        return self.metrics.render(snapshots)
+
     def below_quality_floor(self) -> list[str]:
         """Backends the policy may not pick for quality (the int8 backend under its agreement floor)."""
         quantized = self.profile.quantized
         served = quantized is not None and self.policy.quantization.meets_floor(quantized.agreement)
         return [] if served else ["quantized"]
 
-    def health(self) -> dict[str, Any]:
+    async def health(self) -> dict[str, Any]:
+        """What /healthz says: `status` is "ok" only while every backend has a live replica and the
+        last policy applied; `problems` says what is wrong otherwise."""
         m = self.profile.model
+        backends = await self.pool.health() if isinstance(self.pool, ObservedPool) else {}
+        problems = [f"{b}: {why}" for b, why in backends.items() if why]
+        if self.policy_error:
+            problems.append(f"the last policy was refused (the previous one still rules): {self.policy_error}")
         return {
-            "status": "ok",
+            "status": "degraded" if problems else "ok",
+            "problems": problems,
+            "backends": {b: backends.get(b) or "live" for b in BACKENDS} if backends else None,
             "in_flight": {b: self.load[b] for b in BACKENDS},
             "below_quality_floor": self.below_quality_floor(),
             "policy": self.policy.model_dump(mode="json"),

@@ -115,7 +115,7 @@ def build_report(
     )
 
 
-def _percentiles(values: list[float]) -> Percentiles:
+def percentiles(values: list[float]) -> Percentiles:
     if not values:
         return Percentiles(p50=None, p90=None, p99=None)
     p50, p90, p99 = np.percentile(values, [50, 90, 99]).tolist()
@@ -142,9 +142,9 @@ def cell_stats(config: LoadConfig, cell: Cell, records: list[RequestRecord], wal
         errors=len(records) - len(ok),
         error_rate=(len(records) - len(ok)) / len(records),
         wall_s=wall_s,
-        ttft_ms=_percentiles([r.ttft_ms for r in ok if r.ttft_ms is not None]),
-        tpot_ms=_percentiles([r.tpot_ms for r in ok if r.tpot_ms is not None]),
-        e2e_ms=_percentiles([r.e2e_ms for r in ok]),
+        ttft_ms=percentiles([r.ttft_ms for r in ok if r.ttft_ms is not None]),
+        tpot_ms=percentiles([r.tpot_ms for r in ok if r.tpot_ms is not None]),
+        e2e_ms=percentiles([r.e2e_ms for r in ok]),
         output_tokens_per_s=sum(r.completion_tokens for r in ok) / wall_s,
         slo_met=met,
         goodput_rps=met / wall_s,

@@ -18,6 +18,12 @@ from backends.generation import ChatMessage, GenerationRequest
 from backends.sampling import SamplingParams
 
 ForcedBackend = Literal["auto", "speculative", "plain", "quantized"]
+# Per-field limits (the service's own, request-size ones are `router.core.Limits`).
+MAX_STOPS = 4
+MAX_STOP_CHARS = 256
+MAX_USER_CHARS = 256
+MAX_NAME_CHARS = 64
+MAX_CATEGORY_CHARS = 64
 
 
 class _Strict(BaseModel):
@@ -30,7 +36,7 @@ class SpecrouteOptions(_Strict):
     backend: ForcedBackend = Field("auto", description="'auto': the policy decides; otherwise that backend serves")
     drafter: str | None = Field(None, description="speculative only: the drafter to use (default: the policy's)")
     category: str | None = Field(
-        None, max_length=64, description="the prompt's category, if known: sharpens the α prediction"
+        None, max_length=MAX_CATEGORY_CHARS, description="the prompt's category, if known: sharpens the α prediction"
     )
     batching: Literal["continuous", "static"] = Field(
         "continuous",
@@ -46,7 +52,7 @@ class _Sampling(_Strict):
     model: str = Field(min_length=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0, allow_inf_nan=False)
     top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
-    top_k: int = Field(0, ge=0, description="specroute extension; 0 = no limit")
+    top_k: int = Field(0, ge=0, le=2**63 - 1, description="specroute extension; 0 = no limit")  # a torch int64
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
     stop: str | list[str] | None = Field(None, validate_default=True)
     stream: bool = False
@@ -54,17 +60,17 @@ class _Sampling(_Strict):
     n: int = Field(1, ge=1, le=1, description="one choice per request")
     presence_penalty: float = Field(0.0, ge=0.0, le=0.0, description="penalties are not supported")
     frequency_penalty: float = Field(0.0, ge=0.0, le=0.0, description="penalties are not supported")
-    user: str | None = Field(None, max_length=256)
+    user: str | None = Field(None, max_length=MAX_USER_CHARS)
     specroute: SpecrouteOptions = Field(default_factory=SpecrouteOptions)
 
     @field_validator("stop")
     @classmethod
     def _stops(cls, value: str | list[str] | None) -> list[str]:
         stops = [value] if isinstance(value, str) else list(value or [])
-        if len(stops) > 4:
-            raise ValueError("at most 4 stop sequences")
-        if any(not s or len(s) > 256 for s in stops):
-            raise ValueError("stop sequences must be 1 to 256 characters")
+        if len(stops) > MAX_STOPS:
+            raise ValueError(f"at most {MAX_STOPS} stop sequences are allowed, got {len(stops)}")
+        if any(not s or len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"stop sequences must be 1 to {MAX_STOP_CHARS} characters long")
         return stops
 
     @model_validator(mode="after")
@@ -80,7 +86,7 @@ class _Sampling(_Strict):
 class ChatMessageIn(_Strict):
     role: Literal["system", "user", "assistant", "developer"]
     content: str | list[dict[str, Any]]
-    name: str | None = Field(None, max_length=64)
+    name: str | None = Field(None, max_length=MAX_NAME_CHARS)
 
     def text(self) -> str:
         if isinstance(self.content, str):

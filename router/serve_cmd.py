@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import socket
 import tempfile
 import time
 import urllib.error
@@ -89,12 +90,15 @@ def ensure_profile(
     return path
 
 
-def start_ray(num_cpus: int | None = None) -> str:
+def start_ray(num_cpus: int | None = None, metrics_export_port: int | None = None) -> str:
+    """A local Ray instance for the service; Ray exports its metrics on `metrics_export_port`
+    (default: a free port — `ray_metrics_url` says which)."""
     import ray
 
     temp_dir = tempfile.mkdtemp(prefix="specroute-ray-")  # short: Ray's socket paths must fit 107 bytes
     ray.init(
         num_cpus=num_cpus or os.cpu_count() or 1,
+        _metrics_export_port=metrics_export_port or free_port(),
         include_dashboard=False,
         object_store_memory=OBJECT_STORE_BYTES,
         _temp_dir=temp_dir,
@@ -103,6 +107,20 @@ def start_ray(num_cpus: int | None = None) -> str:
         log_to_driver=False,
     )
     return temp_dir
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def ray_metrics_url() -> str:
+    """Where this node's Ray exports Prometheus metrics (every replica's series, prefixed `ray_`)."""
+    import ray
+
+    node = next(n for n in ray.nodes() if n["Alive"] and n["NodeID"] == ray.get_runtime_context().get_node_id())
+    return f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics"
 
 
 def serve_config(settings: ServiceSettings, policy: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -186,6 +204,8 @@ def serve_forever(settings: ServiceSettings, host: str, port: int, policy_file: 
         print(f"starting specroute on {host}:{port} (loading the backends takes a minute)…", flush=True)
         url = deploy(settings, host, port, policy)
         print(f"specroute is serving at {url}/v1 (OpenAI-compatible; /healthz, /v1/advise). Ctrl-C stops it.")
+        print(f"metrics: {url}/metrics (Prometheus text format: the router and each backend's step loop)")
+        print(f"         {ray_metrics_url()} (Ray's export: every replica's series, prefixed ray_)", flush=True)
         while not stop():
             time.sleep(0.5)
     except KeyboardInterrupt:

@@ -4,13 +4,19 @@ backend deployments. `app_builder` is the import path `serve run deploy/serve.ya
 new policy reaches `reconfigure` without restarting anything (an invalid one is refused and the
 last good policy stays; `/healthz` shows the refusal).
 
-Metrics go through `ray.serve.metrics` (Prometheus, on Ray's metrics export port; Ray prefixes
-names with `ray_`): spec-decode counters with vLLM's meaning, route decisions by backend and
-stage, in-flight requests per backend, TTFT and time-per-output-token histograms.
+Metrics (`router.metrics`): `GET /metrics` on the service's own port serves them in Prometheus text
+format — the router's counters and histograms and each backend's step loop, fetched from its replica
+per scrape — and the same series also go through `ray.serve.metrics` to Ray's metrics export port
+(Ray prefixes names with `ray_`), which aggregates every replica of a cluster.
+
+Across nodes: the builder reads the profile once and passes it to every replica in its arguments,
+and a replica on a node without the embedded model sets it up there (`ensure_model_here`), so a
+replica needs nothing from the head node's disk.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 from collections.abc import AsyncIterator
@@ -20,10 +26,10 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
 from ray.serve.handle import DeploymentHandle
-from ray.serve.metrics import Counter, Gauge, Histogram
 
 from backends.deployments import BackendSettings, PlainBackend, QuantizedBackend, SpeculativeBackend
-from backends.generation import GenerationResult
+from backends.embedded import ensure_model_here
+from backends.loop_metrics import LoopSnapshot
 from backends.models import load_tokenizer
 from backends.streaming import StreamEvent
 from policies.config import PolicyConfig, default_policy, load_policy
@@ -35,9 +41,11 @@ from profiler.workloads import quantization_split
 from .app import create_app, install
 from .core import Limits, RouterCore
 from .dtype_choice import decide_dtype
+from .metrics import ServiceMetrics
 
 log = logging.getLogger("specroute.service")
-LATENCY_BUCKETS = [0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2, 5, 10, 30, 60]
+DEPLOYMENTS = {"speculative": "SpeculativeBackend", "plain": "PlainBackend", "quantized": "QuantizedBackend"}
+SNAPSHOT_TIMEOUT_S = 2.0
 
 
 class ServiceSettings(BaseModel):
@@ -54,6 +62,9 @@ class ServiceSettings(BaseModel):
     backend_cpus: float = Field(0.5, gt=0, description="Ray CPUs reserved for each backend replica")
     dtype_choice: DtypeChoice | None = Field(
         None, description="set by resolve_dtype: the dtype served, with the measured reason (not for config files)"
+    )
+    profile_data: dict[str, Any] | None = Field(
+        None, description="set by build_app: the profile itself, passed to replicas on any node (not for config files)"
     )
 
     def profile_path(self) -> Path:
@@ -77,10 +88,37 @@ def resolve_dtype(settings: ServiceSettings, policy: PolicyConfig | None = None)
 
 
 class HandlePool:
-    """`BackendPool` over Serve deployment handles, streaming."""
+    """`BackendPool` over Serve deployment handles, streaming; `ObservedPool` through Serve's
+    controller (which replicas live) and each backend's `loop_metrics`."""
 
-    def __init__(self, handles: dict[str, DeploymentHandle]):
+    def __init__(self, handles: dict[str, DeploymentHandle], app_name: str):
+        self.unary = handles  # for calls that return one value (loop_metrics)
         self.handles = {name: h.options(stream=True) for name, h in handles.items()}
+        self.app_name = app_name
+
+    async def health(self) -> dict[str, str | None]:
+        """Each backend's problem, as Serve's controller sees its replicas (None: one is running)."""
+        try:
+            status = await asyncio.to_thread(serve.status)
+        except Exception as exc:  # the controller itself is unreachable: nothing is known to be live
+            return {name: f"Serve's controller did not answer ({type(exc).__name__})" for name in self.handles}
+        app = status.applications.get(self.app_name)
+        deployments = app.deployments if app is not None else {}
+        return {name: _replica_problem(deployments.get(DEPLOYMENTS[name])) for name in self.handles}
+
+    async def loop_snapshots(self) -> list[LoopSnapshot]:
+        """Each backend's step-loop snapshot; a backend that does not answer within
+        `SNAPSHOT_TIMEOUT_S` (restarting, or no replica) is left out of this scrape."""
+
+        async def one(handle: DeploymentHandle) -> LoopSnapshot | None:
+            try:
+                data = await asyncio.wait_for(handle.loop_metrics.remote(), SNAPSHOT_TIMEOUT_S)
+            except Exception:
+                return None
+            return LoopSnapshot.model_validate(data)
+
+        found = await asyncio.gather(*(one(h) for h in self.unary.values()))
+        return [s for s in found if s is not None]
 
     async def stream(
         self, backend: str, request: dict[str, Any], drafter: str | None, batching: str = "continuous"
@@ -89,48 +127,11 @@ class HandlePool:
             yield event
 
 
-class ServeMetrics:
-    def __init__(self) -> None:
-        b, d = ("backend",), ("drafter",)
-        self.requests = Counter("specroute_requests", "Requests routed, by backend and stage", ("backend", "stage"))
-        self.retries = Counter("specroute_retries", "Requests retried on the plain backend after a failure", b)
-        self.inflight = Gauge("specroute_in_flight", "Requests in flight per backend", b)
-        self.ttft = Histogram("specroute_time_to_first_token_seconds", "TTFT", LATENCY_BUCKETS, b)
-        self.tpot = Histogram("specroute_time_per_output_token_seconds", "Time per output token", LATENCY_BUCKETS, b)
-        self.drafts = Counter("specroute_spec_decode_num_drafts", "Steps that verified drafted tokens", d)
-        self.draft_tokens = Counter("specroute_spec_decode_num_draft_tokens", "Drafted tokens verified", d)
-        self.accepted = Counter("specroute_spec_decode_num_accepted_tokens", "Drafted tokens accepted", d)
-        self.per_position = Counter(
-            "specroute_spec_decode_num_accepted_tokens_per_pos",
-            "Accepted drafted tokens by position",
-            ("drafter", "position"),
-        )
-
-    def routed(self, backend: str, stage: str) -> None:
-        self.requests.inc(tags={"backend": backend, "stage": stage})
-
-    def in_flight(self, backend: str, count: int) -> None:
-        self.inflight.set(count, tags={"backend": backend})
-
-    def retried(self, backend: str) -> None:
-        self.retries.inc(tags={"backend": backend})
-
-    def finished(self, backend: str, result: GenerationResult) -> None:
-        tags = {"backend": backend}
-        self.ttft.observe(result.ttft_s, tags=tags)
-        if result.completion_tokens > 1:
-            self.tpot.observe(result.tpot_s, tags=tags)
-        stats = result.speculation
-        if stats is None or not stats.drafts:
-            return
-        drafter = {"drafter": stats.drafter}
-        self.drafts.inc(stats.drafts, tags=drafter)
-        self.draft_tokens.inc(stats.draft_tokens, tags=drafter)
-        if stats.accepted_tokens:
-            self.accepted.inc(stats.accepted_tokens, tags=drafter)
-        for position, count in enumerate(stats.accepted_per_position):
-            if count:
-                self.per_position.inc(count, tags={**drafter, "position": str(position)})
+def _replica_problem(deployment: Any) -> str | None:
+    if deployment is None:
+        return "not deployed"
+    running = deployment.replica_states.get("RUNNING", 0)
+    return None if running else f"no running replica (Serve reports {deployment.status}: {deployment.message or '-'})"
 
 
 app = create_app("")  # model id and API key are installed per replica
@@ -147,15 +148,23 @@ class Router:
         settings: dict[str, Any],
     ):
         s = ServiceSettings.model_validate(settings)
-        profile = Profile.load(s.profile_path()).serving(s.backend.quantization)
-        assert s.dtype_choice is not None  # build_app decides it before binding anything
+        assert s.dtype_choice is not None and s.profile_data is not None  # build_app decides both first
+        profile = Profile.model_validate(s.profile_data).serving(s.backend.quantization)
+        ensure_model_here(s.backend.model)  # the tokenizer comes with the model
         tokenizer = load_tokenizer(s.backend.model)
         policy = load_policy(s.policy) if s.policy else default_policy()
-        pool = HandlePool({"speculative": speculative, "plain": plain, "quantized": quantized})
+        handles = {"speculative": speculative, "plain": plain, "quantized": quantized}
+        pool = HandlePool(handles, serve.get_replica_context().app_name)
         self.core = RouterCore(
-            profile, policy, tokenizer, pool, s.limits, ServeMetrics(), s.backend.drafters, s.dtype_choice
+            profile, policy, tokenizer, pool, s.limits, ServiceMetrics(), s.backend.drafters, s.dtype_choice
         )
         install(app, self.core, profile.model.name, s.api_key or os.environ.get("SPECROUTE_API_KEY") or None)
+
+    def check_health(self) -> None:
+        """Serve's periodic probe: this replica's app must serve this replica's core (the route
+        handlers find it through `install`)."""
+        if getattr(app.state, "core", None) is not self.core:
+            raise RuntimeError("the HTTP app does not serve this replica's router core")
 
     def reconfigure(self, config: dict[str, Any]) -> None:
         """A new `user_config`: its `policy` replaces the current one if valid (kept otherwise)."""
@@ -172,9 +181,12 @@ def app_builder(args: dict[str, Any]) -> serve.Application:
 def build_app(args: dict[str, Any], policy: dict[str, Any] | None = None) -> serve.Application:
     """The application from `args`; `policy`, if given, becomes the Router's user_config."""
     settings = resolve_dtype(ServiceSettings.model_validate(args or {}))
-    check_profile(settings)
+    profile = check_profile(settings)
+    # Read once here and carried in every replica's arguments: no replica reads the file.
+    settings = settings.model_copy(update={"profile_data": profile.model_dump(mode="json")})
     backend_args = settings.backend.model_dump(mode="json")
     backend_args["profile"] = backend_args["profile"] or str(settings.profile_path())
+    backend_args["profile_data"] = settings.profile_data
     options = {"ray_actor_options": {"num_cpus": settings.backend_cpus}}
     speculative = SpeculativeBackend.options(**options).bind(backend_args)
     plain = PlainBackend.options(**options).bind(backend_args)
@@ -191,7 +203,8 @@ def build_app(args: dict[str, Any], policy: dict[str, Any] | None = None) -> ser
 
 
 def check_profile(settings: ServiceSettings) -> Profile:
-    """Refuse to start on a missing profile or one of another model, with what to do instead."""
+    """The profile as read (not yet narrowed to the served quantization); refuse to start on a
+    missing profile, one of another model or one without the served method, saying what to do."""
     path = settings.profile_path()
     profile = Profile.load(path)
     model = settings.backend.model
@@ -201,4 +214,5 @@ def check_profile(settings: ServiceSettings) -> Profile:
         model = EMBEDDED_NAME
     if profile.model.name != model:
         raise ProfileError(f"{path} profiles {profile.model.name}, not {model}: profile this model first")
-    return profile.serving(settings.backend.quantization)
+    profile.serving(settings.backend.quantization)  # refuses an unmeasured method
+    return profile

@@ -10,9 +10,22 @@ from backends.generation import GenerationRequest, GenerationResult
 from backends.models import load_tokenizer
 from backends.streaming import StreamEvent
 from policies.config import PolicyConfig
-from router.core import RouterCore
+from router.core import Limits, RouterCore
 from router.schemas import SpecrouteOptions
 from tests.policies.profiles import synthetic_profile
+
+
+def one_token_result(text: str, token: int) -> GenerationResult:
+    return GenerationResult(
+        text=text,
+        token_ids=[token],
+        finish_reason="length",
+        prompt_tokens=3,
+        completion_tokens=1,
+        ttft_s=0.01,
+        tpot_s=0.0,
+        seed=1,
+    )
 
 
 class OnePool:
@@ -22,17 +35,7 @@ class OnePool:
 
     async def stream(self, backend, request, drafter, batching="continuous"):
         self.seen_load.append(self.core.load[backend])
-        result = GenerationResult(
-            text="ok",
-            token_ids=[1],
-            finish_reason="length",
-            prompt_tokens=3,
-            completion_tokens=1,
-            ttft_s=0.01,
-            tpot_s=0.0,
-            seed=1,
-        )
-        yield StreamEvent(text="ok", token_ids=[1], result=result)
+        yield StreamEvent(text="ok", token_ids=[1], result=one_token_result("ok", 1))
 
 
 @pytest.fixture(scope="module")
@@ -88,4 +91,77 @@ def test_in_flight_counts_a_request_while_it_runs(tokenizer):
 def test_health_names_the_backends_under_the_policys_quality_floor(tokenizer, agreement, below):
     profile = synthetic_profile(quantized_agreement=agreement)
     router = RouterCore(profile, PolicyConfig(), tokenizer, OnePool())
-    assert router.health()["below_quality_floor"] == below  # the default floor is 95% agreement
+    assert asyncio.run(router.health())["below_quality_floor"] == below  # the default floor is 95% agreement
+
+
+class FailingPool:
+    """Each backend fails its first `fails[backend]` attempts after one token; `live` is what its
+    health reports."""
+
+    def __init__(self, fails: dict[str, int], live: dict[str, str | None] | None = None) -> None:
+        self.fails, self.live, self.calls = dict(fails), live or {}, []
+
+    async def stream(self, backend, request, drafter, batching="continuous"):
+        self.calls.append((backend, drafter, list(request.get("resume_ids") or [])))
+        sent = len(request.get("resume_ids") or [])
+        if self.fails.get(backend, 0) > 0:
+            self.fails[backend] -= 1
+            yield StreamEvent(text="a", token_ids=[sent + 1])
+            raise RuntimeError(f"{backend} replica died")
+        yield StreamEvent(text="b", token_ids=[sent + 1], result=one_token_result("b", sent + 1))
+
+    async def health(self):
+        return {b: self.live.get(b) for b in ("speculative", "plain", "quantized")}
+
+    async def loop_snapshots(self):
+        return []
+
+
+def run_forced(router: RouterCore, backend: str) -> list[StreamEvent]:
+    prepared = router.prepare(
+        GenerationRequest(prompt="prose prompt 1", max_tokens=8), SpecrouteOptions(backend=backend)
+    )
+    routed = router.route(prepared)
+
+    async def run():
+        return [e async for e in router.run(prepared, routed)]
+
+    return asyncio.run(run())
+
+
+@pytest.mark.parametrize(
+    ("failed", "fails", "path"),
+    [
+        ("speculative", {"speculative": 1}, ["speculative", "plain"]),  # the exact backends stand in for each other
+        ("plain", {"plain": 1}, ["plain", "speculative"]),
+        ("plain", {"plain": 1, "speculative": 1}, ["plain", "speculative", "plain"]),
+        ("quantized", {"quantized": 3}, ["quantized"] * 4),  # its tokens are its own: wait for a new replica
+    ],
+)
+def test_a_failed_attempt_resumes_on_a_backend_giving_the_same_tokens(tokenizer, failed, fails, path):
+    pool = FailingPool(fails)
+    router = RouterCore(synthetic_profile(), PolicyConfig(), tokenizer, pool, Limits(retries=2))
+    events = run_forced(router, failed)
+    assert [c[0] for c in pool.calls] == path
+    assert [c[2] for c in pool.calls] == [list(range(1, i + 1)) for i in range(len(path))]  # resumed, never repeated
+    assert events[-1].result.token_ids == list(range(1, len(path) + 1)) and router.load.total() == 0
+
+
+def test_a_quantized_request_finishes_on_plain_once_its_wait_is_over(tokenizer):
+    pool = FailingPool({"quantized": 100})
+    router = RouterCore(synthetic_profile(), PolicyConfig(), tokenizer, pool, Limits(retries=1, quantized_wait_s=0))
+    events = run_forced(router, "quantized")
+    assert [c[0] for c in pool.calls] == ["quantized", "plain"] and events[-1].result is not None
+
+
+def test_health_is_degraded_while_a_backend_has_no_live_replica_or_a_policy_was_refused(tokenizer):
+    pool = FailingPool({}, live={"plain": "no running replica"})
+    router = RouterCore(synthetic_profile(), PolicyConfig(), tokenizer, pool)
+    health = asyncio.run(router.health())
+    assert health["status"] == "degraded" and health["problems"] == ["plain: no running replica"]
+    assert health["backends"] == {"speculative": "live", "plain": "no running replica", "quantized": "live"}
+    pool.live = {}
+    assert asyncio.run(router.health())["status"] == "ok"
+    assert not router.apply_policy({"speculation": {"enabled": "maybe"}}, "test")
+    refused = asyncio.run(router.health())
+    assert refused["status"] == "degraded" and "refused" in refused["problems"][0]
