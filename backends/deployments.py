@@ -254,4 +254,4 @@ def _seeded_costs(loaded: LoadedModel, settings: BackendSettings, max_width: int
     """The step-cost table from the profile, so no request waits for a timing probe (widths up to
     `max_width` it did not measure are probed at start)."""
     profile = served_profile(settings)
-    return None if profile is None else seeded_step_costs(loaded, profile.target, settings, max_width)
+    return None if profile is None else seeded_step_costs(loaded, profile.target, settings, max_width, profile.context)

@@ -51,7 +51,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from policies.cost_model import RowOutlook, plan_step
-from policies.profile import AcceptanceMap, CostCurve
+from policies.profile import AcceptanceMap, ContextCurve, CostCurve
 from policies.quantization import REDUCED_PRECISION
 
 from .errors import RequestError
@@ -441,8 +441,11 @@ class Scheduler:
             for r, d, s in zip(rows, drafts, structured, strict=True)
         ]
         batch, longest = len(rows), max(len(b) for b in blocks)
-        width = self.costs.cheapest_width(batch, longest) if self.costs is not None and longest > 1 else longest
         before = [self.cache.length(r.seq) for r in rows]
+        context = sum(before) / batch
+        width = (
+            self.costs.cheapest_width(batch, longest, context) if self.costs is not None and longest > 1 else longest
+        )
         shapes = [s.structure if s is not None else None for s in structured] if any(structured) else None
         try:
             logits = self.cache.logits([r.seq for r in rows], blocks, width, structures=shapes)
@@ -468,7 +471,9 @@ class Scheduler:
         self._report_features(rows, [n + 1 for n in verified.accepted])
         verify_s = time.perf_counter() - drafted_at
         declined = [n - len(d) for n, d in zip(drawn, drafts, strict=True)]
-        self._record(rows, ks, asked, declined, drafts, verified.accepted, drafting, verify_s, forward_s, width)
+        self._record(
+            rows, ks, asked, declined, drafts, verified.accepted, drafting, verify_s, forward_s, width, context
+        )
         for row, tokens in zip(rows, verified.emitted, strict=True):
             self._emit(row, tokens)
 
@@ -480,7 +485,7 @@ class Scheduler:
         if self.k != "auto" or not any(caps):
             return [min(self.k_max, c) for c in caps]
         assert self.costs is not None
-        pass_s = self._pass_seconds(batch)
+        pass_s = self._pass_seconds(rows)
         eligible = [r for r, cap in zip(rows, caps, strict=True) if cap]
         draft_s, catch_up = {}, {}
         for name, drafter in self.drafters.items():
@@ -508,9 +513,15 @@ class Scheduler:
             for r, k, cap in zip(rows, planned, caps, strict=True)
         ]
 
-    def _pass_seconds(self, batch: int) -> list[float]:
+    def _pass_seconds(self, rows: list[Row]) -> list[float]:
+        """Pass seconds by width for this batch at the context its rows hold now."""
         assert self.costs is not None
-        return [self.costs.seconds(batch, w) for w in range(1, self.costs.max_width + 1)]
+        context = self._context(rows)
+        return [self.costs.seconds(len(rows), w, context) for w in range(1, self.costs.max_width + 1)]
+
+    def _context(self, rows: list[Row]) -> float:
+        """The mean context the rows have cached."""
+        return sum(self.cache.length(r.seq) for r in rows) / max(len(rows), 1)
 
     def _choose_verified(
         self, rows: list[Row], ks: list[int], drafts: list[list[int]], predicted: list[np.ndarray], spent_s: float
@@ -529,9 +540,7 @@ class Scheduler:
         for outlook, d in zip(outlooks, drafts, strict=True):
             if outlook.drafter is not None:
                 drawn[outlook.drafter] = max(drawn.get(outlook.drafter, 0), len(d))
-        chosen = plan_step(
-            outlooks, self._pass_seconds(len(rows)), {}, self.k_max, drafted=drawn, spent_seconds=spent_s
-        )
+        chosen = plan_step(outlooks, self._pass_seconds(rows), {}, self.k_max, drafted=drawn, spent_seconds=spent_s)
         for b, (outlook, j) in enumerate(zip(outlooks, chosen, strict=True)):
             if outlook.drafter is not None and j < len(drafts[b]):
                 del drafts[b][j:]
@@ -545,7 +554,7 @@ class Scheduler:
         assert drafter is not None
         name, predictor = drafter.name, self.predictors[drafter.name]
         step_s = self.drafter_costs[name].step_s.get(batch_bucket(len(group)), 0.0)
-        pass_s = self._pass_seconds(len(rows))
+        pass_s = self._pass_seconds(rows)
 
         def judge(steps: int, features: list[np.ndarray]) -> list[bool]:
             outlooks = [RowOutlook(None, 0.0, 0.0, 0) for _ in rows]
@@ -793,15 +802,17 @@ class Scheduler:
         verify_s: float,
         forward_s: float,
         width: int,
+        context: float,
     ) -> None:
         """Statistics per row and per drafter, and the measured costs the planner reads. `ks` is
         what each row's verified draft stands for (its k for α and ρ), `asked` what it drafted for,
-        `declined` how many drafted tokens the verify choice cut."""
+        `declined` how many drafted tokens the verify choice cut; `context` the rows' mean cached
+        context the pass read (taken before it: a row that failed since has no cache left)."""
         batch = len(rows)
         if self.costs is None:
             return
-        self.costs.record_target(batch, width, forward_s)
-        step_s = self.costs.seconds(batch, 1)
+        self.costs.record_target(batch, width, forward_s, context)
+        step_s = self.costs.seconds(batch, 1, context)
         for name, drafter in self.drafters.items():
             group = [b for b, r in enumerate(rows) if r.drafter is drafter]
             if not group:
@@ -869,24 +880,34 @@ def _backlog(drafter: Drafter, rows: list[Row]) -> int:
     return sum(drafter.backlog(r.draft) for r in rows if r.drafter is drafter)
 
 
-def step_costs(loaded: LoadedModel, max_width: int, settings: LoopSettings | None = None) -> StepCosts:
+def step_costs(
+    loaded: LoadedModel, max_width: int, settings: LoopSettings | None = None, context: ContextCurve | None = None
+) -> StepCosts:
     """A step-cost table for this target, probed per batch bucket on first use, through passes
-    shaped as the loop with these settings runs them (width-invariant or not)."""
+    shaped as the loop with these settings runs them (width-invariant or not); with a measured
+    `context` curve, read at the context the rows hold (the table at the curve's reference)."""
     loop = settings or LoopSettings()
     tile = loop.tile(loaded.info.dtype)
 
     def probe(batch: int, widths: Sequence[int]) -> dict[int, float]:
         return measure_step_times(loaded.model, batch, widths, tile=tile, tile_rows=loop.tile_max_rows)
 
-    return StepCosts(probe, max_width=max_width)
+    if context is None:
+        return StepCosts(probe, max_width=max_width)
+    return StepCosts(probe, max_width=max_width, context_scale=context.factor, table_context=context.reference)
 
 
 def seeded_step_costs(
-    loaded: LoadedModel, curve: CostCurve, settings: LoopSettings | None = None, max_width: int = 0
+    loaded: LoadedModel,
+    curve: CostCurve,
+    settings: LoopSettings | None = None,
+    max_width: int = 0,
+    context: ContextCurve | None = None,
 ) -> StepCosts:
-    """The step-cost table started from a measured curve (a profile's), so no request waits for a
-    timing probe; widths up to `max_width` the curve lacks are probed on first use."""
-    costs = step_costs(loaded, max(curve.max_width, max_width), settings)
+    """The step-cost table started from a measured curve (a profile's, measured at `context`'s
+    reference context when one is given), so no request waits for a timing probe; widths up to
+    `max_width` the curve lacks are probed on first use."""
+    costs = step_costs(loaded, max(curve.max_width, max_width), settings, context)
     for b, row in zip(curve.batches, curve.seconds, strict=True):
         if b & (b - 1) == 0:  # the table is keyed by power-of-two buckets
             costs.target_s.update({(b, w): s for w, s in zip(curve.widths, row, strict=True)})

@@ -18,7 +18,7 @@ import numpy as np
 
 from .config import PolicyConfig
 from .cost_model import RowOutlook, effective_seconds, plan_step, tokens_per_step
-from .estimates import ProfileCosts
+from .estimates import ProfileCosts, decode_context
 from .policy import Decision, LoadSnapshot, RequestFeatures, decide
 from .profile import CostCurve, Profile
 from .simulation import BackendModel, Router, SimRecord, SimRequest
@@ -41,17 +41,30 @@ class CurveModel:
     fewer bytes per token, the same share it saves in decode)."""
 
     def __init__(self, profile: Profile, curve: CostCurve, prefill_scale: float = 1.0):
-        self.curve, self.prefill, self.scale = curve, profile.prefill, prefill_scale
-        self._steps: dict[int, float] = {}
+        self.profile, self.curve, self.prefill, self.scale = profile, curve, profile.prefill, prefill_scale
+        self._steps: dict[tuple[int, int], float] = {}
 
     def prefill_seconds(self, tokens: int, running: int) -> float:
         return self.prefill.per_token(1, tokens) * self.scale
 
     def decode_step(self, rows: Sequence[SimRequest]) -> tuple[float, list[float]]:
-        b = len(rows)
-        if b not in self._steps:
-            self._steps[b] = self.curve.at(b, 1)
-        return self._steps[b], [1.0] * b
+        key = (len(rows), batch_context(rows))
+        if key not in self._steps:
+            b, context = key
+            # Attention over the cache runs in float whatever the weights: context adds the target's seconds.
+            grown = self.profile.pass_seconds(b, 1, context) - self.profile.target.at(b, 1)
+            self._steps[key] = self.curve.at(b, 1) + grown
+        return self._steps[key], [1.0] * len(rows)
+
+
+# Contexts are rounded to this many tokens, so steps of batches whose contexts barely differ share one estimate.
+CONTEXT_GRAIN = 32
+
+
+def batch_context(rows: Sequence[SimRequest]) -> int:
+    """The mean context the rows hold while they decode (fluid: each its prompt and half its answer)."""
+    mean = sum(decode_context(r.prompt_tokens, r.output_tokens) for r in rows) / max(len(rows), 1)
+    return max(CONTEXT_GRAIN, round(mean / CONTEXT_GRAIN) * CONTEXT_GRAIN)
 
 
 class SpeculativeModel:
@@ -71,9 +84,10 @@ class SpeculativeModel:
 
     def decode_step(self, rows: Sequence[SimRequest]) -> tuple[float, list[float]]:
         outlooks = [self._outlook(r) for r in rows]
-        key = tuple(sorted((o.drafter or "", o.alpha, o.proposal_rate) for o in outlooks))
+        context = batch_context(rows)
+        key = (context, *sorted((o.drafter or "", o.alpha, o.proposal_rate) for o in outlooks))
         if key not in self._cache:
-            self._cache[key] = self._plan(outlooks)
+            self._cache[key] = self._plan(outlooks, context)
         seconds, k_of = self._cache[key]
         return seconds, [
             tokens_per_step(o.alpha, k_of[o.drafter], o.proposal_rate) if k_of.get(o.drafter) else 1.0 for o in outlooks
@@ -85,12 +99,12 @@ class SpeculativeModel:
             return RowOutlook(drafter=None, alpha=0.0, proposal_rate=0.0, k_cap=0)
         return RowOutlook(chosen.drafter, chosen.alpha, chosen.proposal_rate, self.k_max)
 
-    def _plan(self, outlooks: list[RowOutlook]) -> tuple[float, dict[str | None, int]]:
+    def _plan(self, outlooks: list[RowOutlook], context: int) -> tuple[float, dict[str | None, int]]:
         """The k `plan_step` gives each drafter, and the step's expected seconds with them:
         drafting, then a wide pass unless no row proposed (probability Π(1 − ρ) over the drafting
-        rows), else a 1-token pass."""
+        rows), else a 1-token pass; every pass over `context` cached tokens a row."""
         b = len(outlooks)
-        passes = [self.profile.target.at(b, w) for w in self.profile.target.widths]
+        passes = [self.profile.pass_seconds(b, w, context) for w in self.profile.target.widths]
         drafts = {d.name: d.step_at(b) for d in self.profile.drafters}
         ks = plan_step(outlooks, passes, drafts, self.k_max)
         k_of: dict[str | None, int] = {}

@@ -43,28 +43,40 @@ class Candidate(BaseModel):
 
 
 class ProfileCosts:
-    """The profile's curves read the way the cost model wants them."""
+    """The profile's curves read the way the cost model wants them, for sequences holding
+    `context` cached tokens on average while they decode (None: the context the target curve was
+    measured at). Context matters: attention reads every cached token, so longer contexts make
+    every pass dearer and a wide pass relatively cheaper (v(b, k) falls)."""
 
-    def __init__(self, profile: Profile):
+    def __init__(self, profile: Profile, context: float | None = None):
         self.profile = profile
         self.target = profile.target
+        self.context = context
+
+    def pass_s(self, batch: float, width: int) -> float:
+        return self.profile.pass_seconds(batch, width, self.context)
 
     def step_s(self, batch: float) -> float:
-        return self.target.at(batch, 1)
+        return self.pass_s(batch, 1)
 
     def verify_costs(self, batch: float) -> list[float]:
         """v(b, k) for k = 0..max_width-1 with the engine's cheapest-width padding."""
-        return effective_verify_costs([self.target.at(batch, w) for w in self.target.widths])
+        return effective_verify_costs([self.pass_s(batch, w) for w in self.target.widths])
 
     def draft_cost(self, drafter: DrafterProfile, batch: float) -> float:
         return drafter.step_at(batch) / self.step_s(batch)
 
     def elasticity(self, batch: float) -> float:
         batches = self.target.batches
-        return elasticity(batches, [self.target.at(b, 1) for b in batches], batch)
+        return elasticity(batches, [self.step_s(b) for b in batches], batch)
 
     def ttft_s(self, prompt_tokens: int) -> float:
         return self.profile.prefill.per_token(1, prompt_tokens)
+
+
+def decode_context(prompt_tokens: float, max_tokens: float) -> float:
+    """The mean context a sequence holds while it decodes: its prompt and half its answer."""
+    return prompt_tokens + max_tokens / 2
 
 
 def plain_candidate(costs: ProfileCosts, batch: int, prompt_tokens: int, max_tokens: int) -> Candidate:
@@ -121,7 +133,7 @@ def speculation_at(
             f"{drafter.name} runs passes of {drafter.block_width} positions; the profile measured up to "
             f"{costs.target.max_width} (profile again with it among --drafters)"
         )
-    v = costs.target.at(batch, drafter.block_width) / costs.step_s(batch)
+    v = costs.pass_s(batch, drafter.block_width) / costs.step_s(batch)
     k = min(drafter.block_draft, k_range[1])
     return k, c, v, v, speedup(alpha, k, c, v, proposal_rate, batch, v)
 
@@ -130,7 +142,8 @@ def quantized_candidate(costs: ProfileCosts, batch: int, prompt_tokens: int, max
     quantized = costs.profile.quantized
     if quantized is None:
         return None
-    step = quantized.curve.at(batch, 1)
+    # Attention over the cache runs in float either way: context adds the same seconds to both.
+    step = quantized.curve.at(batch, 1) + costs.step_s(batch) - costs.target.at(batch, 1)
     # Prefill scales like decode here: the same weights are read, the same share is saved.
     ttft = costs.ttft_s(prompt_tokens) * step / costs.step_s(batch)
     return _candidate("quantized", ttft, step, batch, max_tokens, speedup=costs.step_s(batch) / step)

@@ -16,6 +16,7 @@ from .estimates import (
     Backend,
     Candidate,
     ProfileCosts,
+    decode_context,
     plain_candidate,
     quantized_candidate,
     speculation_break_even,
@@ -80,7 +81,7 @@ class Decision(BaseModel):
 
 
 def decide(features: RequestFeatures, load: LoadSnapshot, profile: Profile, config: PolicyConfig) -> Decision:
-    costs = ProfileCosts(profile)
+    costs = ProfileCosts(profile, decode_context(features.prompt_tokens, features.max_tokens))
     b = config.concurrency_override or load.concurrency
     reasons: list[str] = []
     plain = plain_candidate(costs, b, features.prompt_tokens, features.max_tokens)

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import bisect
 import math
+import statistics
 from datetime import datetime
+from functools import cached_property
 from pathlib import Path
 from typing import Literal
 
@@ -76,6 +78,116 @@ class CostCurve(_Frozen):
         lo, hi = widths[i - 1], widths[i]
         share = (tokens - lo) / (hi - lo)
         return (1 - share) * self.at(batch, lo) + share * self.at(batch, hi)
+
+
+class ContextCurve(_Frozen):
+    """How a pass's time grows with the context each sequence has cached: seconds of a pass of
+    `width` tokens per sequence at batch `batch` over `context` cached tokens per sequence, measured
+    on a grid (cells a time budget left out are None). Attention reads every cached key and value,
+    so a pass over 2,048 cached tokens can cost several times one over 64 at a large batch, and
+    the ratio of a wide pass to a narrow one — v(b, k) — changes with it.
+
+    The target curve is measured at `reference` tokens of context; `factor` scales it to another
+    context: per measured batch, a line in context through the measured contexts (attention's cost
+    is linear in it; fitted robustly, see `_row_seconds`) read at that context over the same line at
+    the reference, linear in width between measured widths, and linear in log batch between measured
+    batches (the largest measured batch's factor beyond it)."""
+
+    reference: int = Field(ge=1, description="the context the target curve was measured at")
+    batches: list[int] = Field(min_length=1)
+    contexts: list[int] = Field(min_length=2)
+    widths: list[int] = Field(min_length=1)
+    seconds: list[list[list[float | None]]] = Field(
+        description="seconds[i][j][l]: batch batches[i], context contexts[j], width widths[l] (None: not measured)"
+    )
+
+    @model_validator(mode="after")
+    def _shape(self) -> ContextCurve:
+        for name in ("batches", "contexts", "widths"):
+            values = getattr(self, name)
+            if values != sorted(set(values)) or values[0] < 1:
+                raise ValueError(f"{name} must be positive and strictly increasing")
+        if len(self.seconds) != len(self.batches) or any(
+            len(row) != len(self.contexts) or any(len(cell) != len(self.widths) for cell in row) for row in self.seconds
+        ):
+            raise ValueError("seconds must be batches × contexts × widths")
+        if any(s is not None and (s <= 0 or not math.isfinite(s)) for r in self.seconds for c in r for s in c):
+            raise ValueError("every measured time must be a positive number")
+        if not self._usable_rows:
+            raise ValueError("no batch has two measured contexts")
+        return self
+
+    @cached_property
+    def _usable_rows(self) -> list[int]:
+        """Batches (indices) with every width measured at two or more contexts."""
+        return [
+            i
+            for i, row in enumerate(self.seconds)
+            if all(sum(row[j][w] is not None for j in range(len(self.contexts))) >= 2 for w in range(len(self.widths)))
+        ]
+
+    def factor(self, batch: float, width: int, context: float) -> float:
+        """t(batch, width, context) over t(batch, width, reference)."""
+        rows = self._usable_rows
+        batches = [self.batches[i] for i in rows]
+        ratios = [self._row_factor(i, width, context) for i in rows]
+        b = max(float(batch), 1.0)
+        if len(rows) == 1 or b <= batches[0]:
+            return ratios[0]
+        if b >= batches[-1]:
+            return ratios[-1]
+        i = bisect.bisect_left(batches, b)
+        if batches[i] == b:
+            return ratios[i]
+        lo, hi = math.log(batches[i - 1]), math.log(batches[i])
+        share = (math.log(b) - lo) / (hi - lo)
+        return (1 - share) * ratios[i - 1] + share * ratios[i]
+
+    def _row_factor(self, row: int, width: int, context: float) -> float:
+        intercept, slope, floor = self._line(row, width)
+        at = max(intercept + slope * max(float(context), 0.0), floor)
+        return at / max(intercept + slope * self.reference, floor)
+
+    def _line(self, row: int, width: int) -> tuple[float, float, float]:
+        """One batch's pass time at `width` as a line in context (intercept, slope, and a floor it is
+        never read below): linear in width between measured widths, and a line through that batch's
+        measured contexts — attention's cost grows linearly with the context — fitted by Theil–Sen
+        (the median of the pairwise slopes), so one pass slowed by a busy machine does not bend the
+        whole curve. Fitted once per batch and width: the step loop reads it every step."""
+        key = (row, width)
+        if key not in self._lines:
+            points = [
+                (self.contexts[j], _linear(self.widths, [float(s) for s in cell if s is not None], width))
+                for j, cell in enumerate(self.seconds[row])
+                if all(s is not None for s in cell)
+            ]
+            slopes = [(t2 - t1) / (n2 - n1) for i, (n1, t1) in enumerate(points) for n2, t2 in points[i + 1 :]]
+            slope = max(statistics.median(slopes), 0.0)
+            intercept = statistics.median(t - slope * n for n, t in points)
+            self._lines[key] = (intercept, slope, min(t for _, t in points) * 0.25)
+        return self._lines[key]
+
+    @cached_property
+    def _lines(self) -> dict[tuple[int, int], tuple[float, float, float]]:
+        return {}
+
+
+def _linear(xs: list[int], ys: list[float], x: float) -> float:
+    """Piecewise-linear through (xs, ys), extended along the end segments' slopes (never falling
+    past the ends: a longer context or wider pass does not get cheaper there)."""
+    if len(xs) == 1:
+        return ys[0]
+    if x <= xs[0]:
+        slope = max((ys[1] - ys[0]) / (xs[1] - xs[0]), 0.0)
+        return ys[0] - slope * (xs[0] - x)
+    if x >= xs[-1]:
+        slope = max((ys[-1] - ys[-2]) / (xs[-1] - xs[-2]), 0.0)
+        return ys[-1] + slope * (x - xs[-1])
+    i = bisect.bisect_left(xs, x)
+    if xs[i] == x:
+        return ys[i]
+    share = (x - xs[i - 1]) / (xs[i] - xs[i - 1])
+    return (1 - share) * ys[i - 1] + share * ys[i]
 
 
 def _interpolate(xs: list[int], ys: list[float], x: float) -> float:
@@ -184,6 +296,12 @@ class PredictorScore(_Frozen):
     mae_with_category: float = Field(description="mean absolute error of α when the caller names the category")
     mae_text_only: float = Field(description="mean absolute error of α from the prompt text alone")
     mae_constant: float = Field(description="baseline: predict the training folds' mean α")
+    mae_category_mean: float | None = Field(
+        None, description="baseline: predict the training folds' mean α of the prompt's category (None: not scored)"
+    )
+    model: str | None = Field(
+        None, description="the regressor cross-validation chose, e.g. 'ridge' (None: not recorded)"
+    )
 
 
 class ReliabilityBin(_Frozen):
@@ -335,7 +453,10 @@ class Profile(_Frozen):
     model: ModelSummary
     libraries: dict[str, str]
     settings: dict[str, object] = Field(default_factory=dict, description="what the profiler was asked to measure")
-    target: CostCurve = Field(description="target forward pass t(b, n)")
+    target: CostCurve = Field(description="target forward pass t(b, n) at settings.context_tokens of context")
+    context: ContextCurve | None = Field(
+        None, description="how the target's passes scale with cached context (None: not measured, read as flat)"
+    )
     prefill: CostCurve = Field(description="prefill of n prompt tokens at batch b")
     drafters: list[DrafterProfile] = Field(default_factory=list)
     acceptance: list[AcceptanceProfile] = Field(default_factory=list)
@@ -379,6 +500,14 @@ class Profile(_Frozen):
             )
         others = [q for q in [self.quantized, *self.quantized_others] if q is not None and q is not chosen]
         return self.model_copy(update={"quantized": chosen, "quantized_others": others})
+
+    def pass_seconds(self, batch: float, width: int, context: float | None = None) -> float:
+        """A target pass of `width` tokens per sequence at `batch` over `context` cached tokens per
+        sequence (None: the context the target curve was measured at)."""
+        seconds = self.target.at(batch, width)
+        if context is None or self.context is None:
+            return seconds
+        return seconds * self.context.factor(batch, width, context)
 
     def drafter(self, name: str) -> DrafterProfile:
         for d in self.drafters:

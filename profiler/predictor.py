@@ -3,15 +3,22 @@
 Fitted on the profiler's per-prompt measurements (`AcceptanceSample`) and corrected online from
 what the router observes on real requests. Two regressors per drafter: one that also knows the
 prompt's category (when the caller names one the profile measured) and one on the text alone.
+The same machinery predicts the proposal rate ρ (`target="proposal_rate"`).
 
-Model choice: StandardScaler + RidgeCV. A profile holds ~42 prompts per drafter (7 categories x 6).
-On so few points a shallow forest or boosting was no more accurate in held-out trials on the
-project's prompt set (within ~0.02 MAE either way), but its output jumps between leaf values
-that each rest on a handful of prompts, while a regularised linear model has one weight per
-feature, changes smoothly with the prompt, is exactly reproducible, and RidgeCV picks its penalty
-by exact leave-one-out error at no extra cost. Inputs are clipped to the range seen in training
-so a prompt far outside it (say 20x longer) cannot extrapolate without bound, and outputs are
-clipped to [0, 1].
+Model choice, per drafter, target and regressor, by cross-validation on the training samples
+only (folds split prompt ids): the candidates are the weighted mean α ("constant"),
+StandardScaler + RidgeCV ("ridge"), and either, for the regressor that knows the category, the
+category's mean α plus ridge on the text for the rest ("category mean + ridge") or, for the
+text-only one from MIN_PROMPTS_TO_BOOST prompts, shallow gradient boosting ("boosting": trees
+on category one-hots would only relearn the category means, at tens of ms a fit where ridge
+costs one). The lowest held-out mean
+absolute error wins; of equally good ones the simpler (earlier) one. A profile holds ~70 prompts
+per drafter and their α is noisy (a prompt often has only a few judged tokens), so ridge usually
+wins or ties: a regularised linear model has one weight per feature, changes smoothly with the
+prompt, and RidgeCV picks its penalty by exact leave-one-out error at no extra cost; boosting is
+kept only where it is measurably better. Everything is deterministic for a given `seed`. Inputs
+are clipped to the range seen in training so a prompt far outside it (say 20x longer) cannot
+extrapolate without bound, and outputs are clipped to [0, 1].
 
 Drafters are named as the engine names them (`policies.drafters.drafter_name`); lookups accept
 the full name or its kind (`policies.drafters.kind_of`) when exactly one fitted drafter has that
@@ -24,12 +31,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Protocol
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
-from sklearn.base import RegressorMixin
 from sklearn.dummy import DummyRegressor
+from sklearn.ensemble import GradientBoostingRegressor
 from sklearn.linear_model import RidgeCV
 from sklearn.model_selection import KFold
 from sklearn.pipeline import Pipeline
@@ -59,7 +66,13 @@ ANY_CATEGORY = "*"
 MIN_SAMPLES_TO_REGRESS = 6
 # Fewer held-out prompts than this make a cross-validated error meaningless.
 MIN_SAMPLES_TO_SCORE = 4
+# Boosting is a candidate only from this many prompts: depth-2 trees on fewer split on noise.
+MIN_PROMPTS_TO_BOOST = 30
+# Folds of the inner cross-validation that chooses each regressor.
+SELECTION_FOLDS = 5
 _RIDGE_ALPHAS = np.logspace(-2, 3, 11)
+
+CONSTANT, RIDGE, CATEGORY_RIDGE, BOOSTING = "constant", "ridge", "category mean + ridge", "boosting"
 
 
 class UnknownDrafterError(ProfileError):
@@ -78,31 +91,53 @@ class AlphaEstimate(BaseModel):
     source: str = Field(description="human-readable: which model and which correction")
 
 
+class _Regressor(Protocol):
+    def predict(self, x: np.ndarray) -> np.ndarray: ...
+
+
+@dataclass(frozen=True)
+class _Fitted:
+    """A fitted regressor and the candidate name cross-validation chose it by."""
+
+    name: str
+    regressor: _Regressor
+
+    def predict(self, x: np.ndarray) -> float:
+        return float(self.regressor.predict(x[None, :])[0])
+
+
 @dataclass(frozen=True)
 class _DrafterModel:
     """One drafter's two fitted regressors and what they were trained on."""
 
     name: str
     categories: tuple[str, ...]  # the one-hot vocabulary, sorted
-    with_category: RegressorMixin
-    text_only: RegressorMixin
+    with_category: _Fitted
+    text_only: _Fitted
     samples: int
     low: np.ndarray  # per text feature, the training minimum and maximum (inputs are clipped to them)
     high: np.ndarray
+
+    @property
+    def chosen(self) -> str:
+        """The candidates cross-validation chose, as PredictorScore.model records them."""
+        if self.with_category.name == self.text_only.name:
+            return self.with_category.name
+        return f"{self.with_category.name} (text only: {self.text_only.name})"
 
     def predict(self, features: np.ndarray, category: str | None) -> tuple[float, str]:
         """(clipped α, which model said so)."""
         x = np.clip(features, self.low, self.high)
         if category is not None and category in self.categories:
-            estimator, basis = self.with_category, f"text + category {category!r}"
+            fitted, basis = self.with_category, f"text + category {category!r}"
             x = np.concatenate([x, _one_hot(category, self.categories)])
         else:
-            estimator = self.text_only
+            fitted = self.text_only
             basis = "text only, no category given" if category is None else f"text only, category {category!r} unseen"
-        alpha = float(np.clip(estimator.predict(x[None, :])[0], 0.0, 1.0))
-        if isinstance(estimator, DummyRegressor):
-            basis = f"mean of {self.samples} samples"
-        return alpha, basis
+        alpha = float(np.clip(fitted.predict(x), 0.0, 1.0))
+        if fitted.name == CONSTANT:
+            return alpha, f"mean of {self.samples} samples"
+        return alpha, f"{fitted.name}, {basis}"
 
 
 @dataclass
@@ -150,24 +185,24 @@ class AlphaPredictor:
         prior_weight: float = 64.0,
         target: Target = "alpha",
     ) -> AlphaPredictor:
-        """Fit both regressors of every drafter present in `samples`.
+        """Fit both regressors of every drafter present in `samples`, each chosen by cross-validation.
 
-        Samples with no judged tokens carry no evidence and are left out. Deterministic: RidgeCV
-        has no randomness; `seed` is accepted so callers need not know that (and for any future
-        randomised model). Raises ProfileError when no sample has judged tokens.
+        Samples with no judged tokens carry no evidence and are left out. Deterministic for a given
+        `seed` (it shuffles the selection folds and seeds boosting). Raises ProfileError when no
+        sample has judged tokens.
         """
-        del seed
         data = _Data.build(as_target(samples, target))
         if not data.drafters:
             raise ProfileError("no acceptance samples with judged tokens to fit the α predictor on")
-        models = {name: _fit_drafter(name, data.rows(name)) for name in data.drafters}
+        models = {name: _fit_drafter(name, data.rows(name), seed) for name in data.drafters}
         return cls(models, decay=decay, prior_weight=prior_weight)
 
     @classmethod
     def from_profile(
         cls, profile: Profile, *, decay: float = 0.98, prior_weight: float = 64.0, target: Target = "alpha"
     ) -> AlphaPredictor:
-        """Refit from the samples a profile persists (readable JSON, no pickle; fitting takes ms)."""
+        """Refit from the samples a profile persists (readable JSON, no pickle; with model selection
+        fitting takes about a second per target for a ~70-prompt profile)."""
         if not profile.samples:
             raise ProfileError(
                 "the profile has no acceptance samples to fit the α predictor on: "
@@ -242,10 +277,13 @@ def cross_validate(
 ) -> list[PredictorScore]:
     """Held-out error of the predictor, per drafter, by shuffled k-fold over prompts.
 
-    Folds split prompt ids, so repeated measurements of one prompt never sit on both sides. The
-    constant baseline predicts the training folds' mean α weighted like the model's samples
-    (sqrt of judged tokens); every MAE is unweighted over held-out prompts. Drafters with fewer
-    than MIN_SAMPLES_TO_SCORE prompts (after dropping samples with no judged tokens) are skipped.
+    Folds split prompt ids, so repeated measurements of one prompt never sit on both sides; each
+    training part chooses its own regressors (nested cross-validation), so the held-out prompts
+    play no part in the choice. Two baselines: the training folds' mean α weighted like the model's
+    samples (sqrt of judged tokens), and the same mean over the prompt's category (the overall one
+    for a category the training folds lack). Every MAE is unweighted over held-out prompts; `model`
+    names what fitting on all the samples chooses. Drafters with fewer than MIN_SAMPLES_TO_SCORE
+    prompts (after dropping samples with no judged tokens) are skipped.
     """
     if folds < 2:
         raise ValueError(f"cross-validation needs at least 2 folds, got {folds}")
@@ -253,43 +291,61 @@ def cross_validate(
     scores = []
     for name in data.drafters:
         rows = data.rows(name)
-        prompts = sorted(set(rows.prompt_ids))
-        if len(prompts) < MIN_SAMPLES_TO_SCORE:
+        n_prompts = len(set(rows.prompt_ids))
+        if n_prompts < MIN_SAMPLES_TO_SCORE:
             continue
-        n_folds = min(folds, len(prompts))
-        errors = _fold_errors(name, rows, prompts, KFold(n_folds, shuffle=True, random_state=seed))
+        n_folds = min(folds, n_prompts)
+        errors = _fold_errors(name, rows, n_folds, seed)
         scores.append(
             PredictorScore(
                 drafter=name,
                 target=target,
                 folds=n_folds,
                 samples=len(rows.alpha),
-                mae_with_category=float(np.mean(errors[0])),
-                mae_text_only=float(np.mean(errors[1])),
-                mae_constant=float(np.mean(errors[2])),
+                mae_with_category=float(np.mean(errors["with_category"])),
+                mae_text_only=float(np.mean(errors["text_only"])),
+                mae_constant=float(np.mean(errors["constant"])),
+                mae_category_mean=float(np.mean(errors["category_mean"])),
+                model=_fit_drafter(name, rows, seed).chosen,
             )
         )
     return scores
 
 
-def _fold_errors(
-    name: str, rows: _Rows, prompts: list[str], kfold: KFold
-) -> tuple[list[float], list[float], list[float]]:
-    """Absolute errors on held-out prompts: with category, text only, constant."""
-    with_category: list[float] = []
-    text_only: list[float] = []
-    constant: list[float] = []
-    ids = np.asarray(rows.prompt_ids)
-    for _, test_prompts in kfold.split(prompts):
-        held_out = np.isin(ids, [prompts[i] for i in test_prompts])
-        train, test = rows.subset(~held_out), rows.subset(held_out)
-        model = _fit_drafter(name, train)
+def _fold_errors(name: str, rows: _Rows, folds: int, seed: int) -> dict[str, list[float]]:
+    """Absolute errors on held-out prompts: with category, text only, and the two baselines."""
+    errors: dict[str, list[float]] = {"with_category": [], "text_only": [], "constant": [], "category_mean": []}
+    for train_mask, test_mask in _prompt_folds(rows.prompt_ids, folds, seed):
+        train, test = rows.subset(train_mask), rows.subset(test_mask)
+        model = _fit_drafter(name, train, seed)
         mean = float(np.average(train.alpha, weights=train.weight))
+        category_means = _category_means(train)
         for x, category, alpha in zip(test.features, test.categories, test.alpha, strict=True):
-            with_category.append(abs(model.predict(x, category)[0] - alpha))
-            text_only.append(abs(model.predict(x, None)[0] - alpha))
-            constant.append(abs(mean - alpha))
-    return with_category, text_only, constant
+            errors["with_category"].append(abs(model.predict(x, category)[0] - alpha))
+            errors["text_only"].append(abs(model.predict(x, None)[0] - alpha))
+            errors["constant"].append(abs(mean - alpha))
+            errors["category_mean"].append(abs(category_means.get(category, mean) - alpha))
+    return errors
+
+
+def _prompt_folds(prompt_ids: list[str], folds: int, seed: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """(train, test) row masks of shuffled k-fold over the distinct prompt ids."""
+    prompts = sorted(set(prompt_ids))
+    ids = np.asarray(prompt_ids)
+    splits = []
+    for _, test_prompts in KFold(folds, shuffle=True, random_state=seed).split(prompts):
+        test = np.isin(ids, [prompts[i] for i in test_prompts])
+        splits.append((~test, test))
+    return splits
+
+
+def _category_means(rows: _Rows) -> dict[str, float]:
+    """Each category's mean α, weighted like the model's samples."""
+    categories = np.asarray(rows.categories)
+    return {
+        c: float(np.average(rows.alpha[categories == c], weights=rows.weight[categories == c]))
+        for c in sorted(set(rows.categories))
+    }
 
 
 @dataclass(frozen=True)
@@ -344,27 +400,88 @@ class _Data:
         )
 
 
-def _fit_drafter(name: str, rows: _Rows) -> _DrafterModel:
+def _fit_drafter(name: str, rows: _Rows, seed: int) -> _DrafterModel:
     categories = tuple(sorted(set(rows.categories)))
     one_hot = np.array([_one_hot(c, categories) for c in rows.categories]).reshape(len(rows.categories), -1)
+    with_category = np.hstack([rows.features, one_hot])
     return _DrafterModel(
         name=name,
         categories=categories,
-        with_category=_fit_regressor(np.hstack([rows.features, one_hot]), rows.alpha, rows.weight),
-        text_only=_fit_regressor(rows.features, rows.alpha, rows.weight),
+        with_category=_fit_chosen(with_category, rows, seed, categories=len(categories)),
+        text_only=_fit_chosen(rows.features, rows, seed, categories=0),
         samples=len(rows.alpha),
         low=rows.features.min(axis=0),
         high=rows.features.max(axis=0),
     )
 
 
-def _fit_regressor(x: np.ndarray, y: np.ndarray, weight: np.ndarray) -> RegressorMixin:
-    if len(y) < MIN_SAMPLES_TO_REGRESS:
+def _fit_chosen(x: np.ndarray, rows: _Rows, seed: int, categories: int) -> _Fitted:
+    """The candidate with the lowest cross-validated MAE on these rows, fitted on all of them.
+
+    `categories`: how many one-hot category columns end `x` (0 for the text-only regressor)."""
+    y, weight = rows.alpha, rows.weight
+    n_prompts = len(set(rows.prompt_ids))
+    if n_prompts < MIN_SAMPLES_TO_REGRESS or np.ptp(y) == 0:
+        return _Fitted(CONSTANT, _fit_candidate(CONSTANT, x, y, weight, seed, categories))
+    if categories:
+        candidates = [CONSTANT, RIDGE, CATEGORY_RIDGE]
+    else:
+        candidates = [CONSTANT, RIDGE] + ([BOOSTING] if n_prompts >= MIN_PROMPTS_TO_BOOST else [])
+    errors = dict.fromkeys(candidates, 0.0)
+    for train, test in _prompt_folds(rows.prompt_ids, min(SELECTION_FOLDS, n_prompts), seed):
+        for name in candidates:
+            regressor = _fit_candidate(name, x[train], y[train], weight[train], seed, categories)
+            errors[name] += float(np.sum(np.abs(np.clip(regressor.predict(x[test]), 0.0, 1.0) - y[test])))
+    best = min(candidates, key=lambda name: (errors[name], candidates.index(name)))
+    return _Fitted(best, _fit_candidate(best, x, y, weight, seed, categories))
+
+
+def _fit_candidate(
+    name: str, x: np.ndarray, y: np.ndarray, weight: np.ndarray, seed: int, categories: int
+) -> _Regressor:
+    if name == CONSTANT:
         return DummyRegressor(strategy="mean").fit(x, y, sample_weight=weight)
+    if name == RIDGE:
+        return _ridge().fit(x, y, ridge__sample_weight=weight)
+    if name == CATEGORY_RIDGE:
+        return _CategoryMeanPlusRidge(categories).fit(x, y, weight)
+    # Shallow and slow-learning, with row subsampling: on ~70 noisy points anything deeper memorises.
+    boosting = GradientBoostingRegressor(
+        n_estimators=50, max_depth=2, learning_rate=0.1, subsample=0.8, min_samples_leaf=3, random_state=seed
+    )
+    return boosting.fit(x, y, sample_weight=weight)
+
+
+def _ridge() -> Pipeline:
     # The scaler only puts features on one scale for the penalty, so it is fitted unweighted
     # (weighted variances of constant columns can come out slightly negative and warn).
-    pipeline = Pipeline([("scale", StandardScaler()), ("ridge", RidgeCV(alphas=_RIDGE_ALPHAS))])
-    return pipeline.fit(x, y, ridge__sample_weight=weight)
+    # gcv_mode="svd": the same exact leave-one-out choice of penalty, several times faster here.
+    return Pipeline([("scale", StandardScaler()), ("ridge", RidgeCV(alphas=_RIDGE_ALPHAS, gcv_mode="svd"))])
+
+
+class _CategoryMeanPlusRidge:
+    """The category's weighted mean α, plus ridge on the text features for what the category
+    leaves unexplained. `x` is the text features followed by `categories` one-hot columns; a row
+    with no category set (one the training rows lacked) starts from the overall mean."""
+
+    def __init__(self, categories: int) -> None:
+        self.categories = categories
+
+    def fit(self, x: np.ndarray, y: np.ndarray, weight: np.ndarray) -> _CategoryMeanPlusRidge:
+        text, one_hot = x[:, : -self.categories], x[:, -self.categories :]
+        self.overall = float(np.average(y, weights=weight))
+        self.means = np.array(
+            [np.average(y[col > 0], weights=weight[col > 0]) if col.any() else self.overall for col in one_hot.T]
+        )
+        self.residual = _ridge().fit(text, y - self._base(one_hot), ridge__sample_weight=weight)
+        return self
+
+    def predict(self, x: np.ndarray) -> np.ndarray:
+        text, one_hot = x[:, : -self.categories], x[:, -self.categories :]
+        return self._base(one_hot) + self.residual.predict(text)
+
+    def _base(self, one_hot: np.ndarray) -> np.ndarray:
+        return np.where(one_hot.any(axis=1), one_hot @ self.means, self.overall)
 
 
 def _one_hot(category: str, categories: tuple[str, ...]) -> np.ndarray:

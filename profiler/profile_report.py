@@ -18,6 +18,7 @@ def render_profile(profile: Profile, threshold: float = COMPUTE_BOUND) -> str:
         f"acceptance: {profile.acceptance_source}",
         "",
         *_target_table(profile),
+        *_context_table(profile),
         "",
         *_scaling(profile, threshold),
         "",
@@ -78,6 +79,30 @@ def _target_table(profile: Profile) -> list[str]:
     lines.append("v(b, k) = cheapest pass of ≥ k + 1 tokens over a 1-token pass:")
     lines.append("  batch " + "".join(f"{'k=' + str(k):>8}" for k in range(1, len(widths))))
     lines += [f"  {b:>5} " + "".join(f"{v:8.2f}" for v in costs.verify_costs(b)[1:]) for b in curve.batches]
+    return lines
+
+
+CONTEXTS_SHOWN = (64, 512, 1024, 2048)
+
+
+def _context_table(profile: Profile) -> list[str]:
+    """How the decode step and v(b, widest) move with the cached context (the cost model's reading)."""
+    context = profile.context
+    if context is None:
+        return []
+    widest = profile.target.max_width
+    measured = ", ".join(str(n) for n in context.contexts)
+    lines = [
+        f"by cached context (measured at {measured} tokens; each batch's line fitted in context): "
+        f"1-token pass ms and v(b, {widest - 1})",
+        "  batch " + "".join(f"{f'{n} tok':>16}" for n in CONTEXTS_SHOWN),
+    ]
+    for b in profile.target.batches:
+        cells = []
+        for n in CONTEXTS_SHOWN:
+            costs = ProfileCosts(profile, n)
+            cells.append(f"{costs.step_s(b) * 1e3:8.1f} {costs.verify_costs(b)[widest - 1]:6.2f} ")
+        lines.append(f"  {b:>5} " + "".join(f"{c:>16}" for c in cells))
     return lines
 
 
@@ -144,16 +169,20 @@ def _acceptance(profile: Profile) -> list[str]:
 
 
 def _predictor(profile: Profile) -> list[str]:
-    lines = ["α and ρ predictors, cross-validated on held-out prompts (mean absolute error):"]
+    lines = [
+        "α and ρ predictors, cross-validated on held-out prompts (mean absolute error; baselines: the training "
+        "folds' mean, and their mean for the prompt's category; model: what cross-validation chose):"
+    ]
     lines.append(
         f"  {'drafter':40} {'predicts':>8} {'prompts':>7} {'folds':>5} {'+category':>9} {'text only':>9} "
-        f"{'constant':>9}"
+        f"{'constant':>9} {'cat. mean':>9}  model"
     )
     for s in profile.predictor:
+        category_mean = "—" if s.mae_category_mean is None else f"{s.mae_category_mean:.3f}"
         lines.append(
             f"  {s.drafter:40} {'α' if s.target == 'alpha' else 'ρ':>8} {s.samples:>7} {s.folds:>5} "
-            f"{s.mae_with_category:9.3f} "
-            f"{s.mae_text_only:9.3f} {s.mae_constant:9.3f}"
+            f"{s.mae_with_category:9.3f} {s.mae_text_only:9.3f} {s.mae_constant:9.3f} {category_mean:>9}  "
+            f"{s.model or '—'}"
         )
     return lines
 

@@ -49,6 +49,7 @@ from policies.profile import (
     AcceptanceProfile,
     AcceptanceSample,
     AcceptanceSeed,
+    ContextCurve,
     CostCurve,
     DrafterName,
     DrafterProfile,
@@ -80,6 +81,18 @@ class ProfileConfig(ModelSettings):
     max_width: int = Field(9, ge=2, le=K_LIMIT + 1, description="widest pass measured: k up to max_width - 1")
     context_tokens: int = Field(
         192, ge=1, le=4096, description="tokens already in every sequence's cache while passes are timed"
+    )
+    contexts: list[int] = Field(
+        default_factory=lambda: [64, 512, 1024, 2048],
+        min_length=1,
+        description="cached-context lengths the context curve times passes at (context_tokens is added); empty-ish "
+        "grids are cut by context_budget_s and context_max_tokens",
+    )
+    context_budget_s: float = Field(
+        150.0, ge=0, description="seconds the context curve may take (0: not measured); cells past it are left out"
+    )
+    context_max_tokens: int = Field(
+        32768, ge=1, description="the context curve skips batch × context above this many cached tokens"
     )
     repeats: int = Field(5, ge=1, le=50, description="timed tries per pass (the fastest counts)")
     enough_s: float = Field(
@@ -139,8 +152,9 @@ def run_profile(config: ProfileConfig, progress: bool = True, log: Callable[[str
     # A structured drafter's pass (lookahead's block) may be wider than any k asks for: measure it too.
     widths = list(range(1, max([config.max_width, *(d.widest_block for d in built.values())]) + 1))
     target = measure_curve(loaded, config, widths, "target t(b, n)", progress)
+    context = measure_context(loaded, config, widths, progress)
     prefill = measure_prefill(loaded, config.prefill_lengths, progress)
-    costs = seeded_step_costs(loaded, target)
+    costs = seeded_step_costs(loaded, target, context=context)
     drafters, acceptance, samples, shipped, maps = [], [], [], [], []
     for kind, drafter in built.items():
         engine = SpeculativeEngine(loaded, drafter, k=config.acceptance_k, costs=costs)
@@ -167,6 +181,7 @@ def run_profile(config: ProfileConfig, progress: bool = True, log: Callable[[str
         libraries={name: version(name) for name in ("torch", "transformers", "scikit-learn", "numpy")},
         settings=config.model_dump(mode="json"),
         target=target,
+        context=context,
         prefill=prefill,
         drafters=drafters,
         acceptance=acceptance,
@@ -397,6 +412,46 @@ def measure_curve(
         for b in tqdm(config.batches, desc=label, unit="batch", disable=not progress)
     ]
     return CostCurve(batches=list(config.batches), widths=list(widths), seconds=rows)
+
+
+def measure_context(
+    loaded: LoadedModel, config: ProfileConfig, widths: Sequence[int], progress: bool
+) -> ContextCurve | None:
+    """Pass times over several cached-context lengths: batches from the smallest, contexts from
+    the shortest, at the narrowest, a middle and the widest pass, until `context_budget_s` is spent
+    (cells left are None) or a batch × context exceeds `context_max_tokens`. None when fewer than
+    two contexts of any batch fit."""
+    contexts = sorted({*config.contexts, config.context_tokens})
+    picked = sorted({widths[0], widths[len(widths) // 2], widths[-1]})
+    loop, dtype = LoopSettings(), loaded.info.dtype
+    tile = loop.tile(dtype)
+    started, grid = time.perf_counter(), []
+    bar = tqdm(
+        total=len(config.batches) * len(contexts), desc="target t(b, w, context)", unit="cell", disable=not progress
+    )
+    for b in config.batches:
+        row: list[list[float | None]] = []
+        for n in contexts:
+            bar.update()
+            if b * n > config.context_max_tokens or time.perf_counter() - started > config.context_budget_s:
+                row.append([None] * len(picked))
+                continue
+            times = measure_step_times(
+                loaded.model, b, picked, n, config.repeats, config.enough_s, tile, loop.tile_max_rows
+            )
+            row.append([times[w] for w in picked])
+        grid.append(row)
+    bar.close()
+    try:
+        return ContextCurve(
+            reference=config.context_tokens,
+            batches=list(config.batches),
+            contexts=contexts,
+            widths=picked,
+            seconds=grid,
+        )
+    except ValueError:  # no batch got two contexts within the budget
+        return None
 
 
 @torch.inference_mode()

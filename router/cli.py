@@ -183,6 +183,14 @@ def _add_profile_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batches", default="1,2,4,8,16,32,64", help="batch sizes of the cost curves")
     parser.add_argument("--max-width", type=int, default=9, help="widest pass measured (k up to max-width - 1)")
     parser.add_argument("--prefill-lengths", default="16,64,256,1024", help="prompt lengths timed for TTFT")
+    parser.add_argument(
+        "--contexts",
+        default="64,512,1024,2048",
+        help="cached-context lengths the context curve times passes at (the curves' own 192 is added)",
+    )
+    parser.add_argument(
+        "--context-budget", type=float, default=150.0, help="seconds the context curve may take (0: not measured)"
+    )
     _add_drafters_flag(parser, SERVED_KINDS, "drafters to profile")
     parser.add_argument("--acceptance-k", type=int, default=8, help="k each drafter runs at to measure acceptance")
     parser.add_argument("--max-tokens", type=int, default=64, help="tokens per prompt in the acceptance runs")
@@ -244,6 +252,13 @@ def _add_model_fit_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batches", default="1,2,4,8,16", help="comma-separated batch sizes")
     parser.add_argument("--max-tokens", type=int, default=40, help="tokens generated per row (EOS ignored)")
     parser.add_argument("--prompts", type=int, default=2, help="prompts per category")
+    parser.add_argument(
+        "--prompt-set",
+        choices=["heldout", "project"],
+        default="heldout",
+        help="prompts run: the held-out set (neither the profile nor the predictor saw it; default) or the project's",
+    )
+    parser.add_argument("--repeats", type=int, default=2, help="runs of every engine per batch (the fastest counts)")
     _add_drafter_args(parser)
     parser.add_argument("--out", default="bench-model-fit.json", help="where the JSON results go ('-' for none)")
     parser.add_argument("--json", action="store_true", help="print the JSON instead of the tables")
@@ -630,6 +645,8 @@ def run_profile(args: argparse.Namespace) -> int:
         batches=_int_list(args.batches, "--batches"),
         max_width=args.max_width,
         prefill_lengths=_int_list(args.prefill_lengths, "--prefill-lengths"),
+        contexts=_int_list(args.contexts, "--contexts"),
+        context_budget_s=args.context_budget,
         drafters=_str_list(args.drafters),
         drafter=_drafter_options(args),
         acceptance_k=args.acceptance_k,
@@ -706,6 +723,8 @@ def run_bench_model_fit(args: argparse.Namespace) -> int:
         batches=_int_list(args.batches, "--batches"),
         max_tokens=args.max_tokens,
         prompts_per_category=args.prompts,
+        prompt_set=args.prompt_set,
+        repeats=args.repeats,
     )
     _quiet_model_loading()
     report = run_model_fit(config)

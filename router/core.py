@@ -332,23 +332,25 @@ class RouterCore:
         )
 
     def _learn(self, prepared: Prepared, routed: Routed, result: GenerationResult) -> None:
-        """The α this request achieved corrects the predictor for its drafter (and category)."""
+        """The α and ρ this request achieved correct the predictors for its drafter (and category):
+        α from accepted of judged tokens, ρ from drafts of the steps that asked for them (a request
+        whose drafter never proposed still says ρ was 0, though it judged nothing)."""
         stats = result.speculation
-        if stats is None or not stats.judged_tokens or routed.retried:
+        if stats is None or routed.retried:
             return
         text, turns = prepared.request.text_and_turns()
-        try:
-            self.predictors.alpha.observe(
-                text,
-                turns,
-                prepared.prompt_tokens,
-                stats.drafter,
-                prepared.options.category,
-                stats.accepted_tokens,
-                stats.judged_tokens,
-            )
-        except (ProfileError, KeyError, ValueError) as exc:  # a drafter the profile never measured
-            log.info("α feedback skipped: %s", exc)
+        evidence = [(self.predictors.alpha, "α", stats.accepted_tokens, stats.judged_tokens)]
+        if self.predictors.proposal_rate is not None:
+            evidence.append((self.predictors.proposal_rate, "ρ", stats.drafts, stats.requested_steps))
+        for predictor, what, hits, trials in evidence:
+            if not trials:
+                continue
+            try:
+                predictor.observe(
+                    text, turns, prepared.prompt_tokens, stats.drafter, prepared.options.category, hits, trials
+                )
+            except (ProfileError, KeyError, ValueError) as exc:  # a drafter the profile never measured
+                log.info("%s feedback skipped: %s", what, exc)
 
     async def metrics_exposition(self) -> tuple[bytes, str]:
         """The Prometheus text of the router's metrics and every backend's step loop it can reach."""

@@ -9,7 +9,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..pass_timing import PROBE_CONTEXT
+
 Probe = Callable[[int, Sequence[int]], dict[int, float]]  # (batch, widths) -> seconds per width
+# (batch, width, context) -> a pass's seconds relative to the profile's reference context
+ContextScale = Callable[[int, int, float], float]
 
 
 def batch_bucket(batch: int) -> int:
@@ -23,8 +27,14 @@ class StepCosts:
 
     Each batch bucket is probed once for every width (best of a few runs over a short context),
     which gives the curve's *shape*; the passes the engine then runs rescale the bucket's whole
-    curve (moving average), which tracks its *level* as contexts grow. Rescaling the curve rather
-    than single entries keeps widths that are measured and widths that are not comparable.
+    curve (moving average), which tracks its *level*. Rescaling the curve rather than single
+    entries keeps widths that are measured and widths that are not comparable.
+
+    With a `context_scale` (a profile's measured `ContextCurve.factor`), the table holds passes
+    over `table_context` cached tokens a row and is read at any context through it: a pass over
+    1,000 cached tokens costs more than over 100, and a wide pass relatively less, so k is chosen
+    for the context the rows hold now, and a long context's pass does not move the table's level.
+    Without one, the level follows whatever contexts the engine runs (with a lag).
     The table depends only on the target, so engines serving one target may share it.
     """
 
@@ -32,6 +42,9 @@ class StepCosts:
     max_width: int
     smoothing: float = 0.2
     target_s: dict[tuple[int, int], float] = field(default_factory=dict)
+    context_scale: ContextScale | None = None
+    table_context: int = PROBE_CONTEXT
+    probe_context: int = PROBE_CONTEXT
 
     def ensure(self, batch: int) -> None:
         """Probe every bucket a batch of this size can shrink through, so no probe stalls a run."""
@@ -41,27 +54,37 @@ class StepCosts:
             missing = [w for w in range(1, self.max_width + 1) if (bucket, w) not in self.target_s]
             if missing:
                 measured = self.probe(bucket, missing)
-                self.target_s.update({(bucket, w): s for w, s in measured.items()})
+                self.target_s.update(
+                    {(bucket, w): s / self._scale(bucket, w, self.probe_context) for w, s in measured.items()}
+                )
             bucket //= 2
 
-    def seconds(self, batch: int, width: int) -> float:
+    def seconds(self, batch: int, width: int, context: float | None = None) -> float:
+        """A pass of `width` tokens a row at `batch`, over `context` cached tokens a row (None: the table's)."""
         if not 1 <= width <= self.max_width:
             raise ValueError(f"width {width} is outside the measured 1..{self.max_width}")
         self.ensure(batch)
-        return self.target_s[(batch_bucket(batch), width)]
+        return self.target_s[(batch_bucket(batch), width)] * self._scale(batch, width, context)
 
-    def record_target(self, batch: int, width: int, seconds: float) -> None:
-        """A real forward pass of this width took `seconds`: move the bucket's curve toward it."""
+    def record_target(self, batch: int, width: int, seconds: float, context: float | None = None) -> None:
+        """A real forward pass of this width over `context` cached tokens a row took `seconds`:
+        move the bucket's curve toward it."""
         bucket = batch_bucket(batch)
-        ratio = seconds / self.seconds(batch, width)
+        ratio = seconds / self.seconds(batch, width, context)
         factor = 1.0 + self.smoothing * (ratio - 1.0)
         for w in range(1, self.max_width + 1):
             self.target_s[(bucket, w)] *= factor
 
-    def cheapest_width(self, batch: int, needed: int) -> int:
+    def cheapest_width(self, batch: int, needed: int, context: float | None = None) -> int:
         """The cheapest pass width ≥ needed: padding a verify block costs nothing in correctness,
         and some matrix shapes run slower than wider ones."""
-        return min(range(needed, self.max_width + 1), key=lambda w: (self.seconds(batch, w), w))
+        return min(range(needed, self.max_width + 1), key=lambda w: (self.seconds(batch, w, context), w))
+
+    def _scale(self, batch: int, width: int, context: float | None) -> float:
+        """A pass over `context` cached tokens a row over one over the table's context."""
+        if context is None or self.context_scale is None:
+            return 1.0
+        return self.context_scale(batch, width, context) / self.context_scale(batch, width, self.table_context)
 
 
 @dataclass

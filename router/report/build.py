@@ -15,6 +15,7 @@ from datetime import UTC, datetime
 
 import numpy as np
 
+from policies.capacity import batch_context
 from policies.estimates import ProfileCosts
 from policies.workload import Workload
 
@@ -69,9 +70,10 @@ NOTES = [
 def build_report(config: ReportConfig, progress: bool = True, model: str | None = None) -> r.Report:
     inputs = read_inputs(config)
     profile, policy, workload = inputs.profile, inputs.policy, inputs.workload
-    costs = ProfileCosts(profile)
     prompts = read_prompts(workload.prompts, profile, workload.output_tokens.max, model) if workload.prompts else ()
     traffic = draw_traffic(workload, profile, config.requests, config.seed, prompts)
+    # The tables and equations read the curves at the workload's mean decode context (the simulation per batch).
+    costs = ProfileCosts(profile, batch_context(traffic.requests))
     measured, comparisons = load_rows(inputs.loads)
     validation, skipped = validate(profile, policy, inputs.loads)
     report = r.Report(

@@ -9,6 +9,7 @@ from datetime import UTC, datetime
 from policies.profile import (
     AcceptanceProfile,
     AcceptanceSample,
+    ContextCurve,
     CostCurve,
     DrafterProfile,
     ModelSummary,
@@ -138,3 +139,24 @@ def in_dtype(profile: Profile, dtype: str, speed: float, tile_width: int | None 
     update = {"dtype": dtype, "tile_width": tile_width, "tile_max_rows": 1 if tile_width else None}
     target = CostCurve(batches=BATCHES, widths=WIDTHS, seconds=seconds)
     return profile.model_copy(update={"model": profile.model.model_copy(update=update), "target": target})
+
+
+REFERENCE = 192
+PER_CONTEXT = 0.00002  # seconds per cached token per sequence a pass reads (attention), width-independent
+
+
+def context_curve(batches: list[int] = BATCHES, contexts: list[int] = [64, 192, 512, 2048]) -> ContextCurve:  # noqa: B006
+    """Passes measured as `step` plus PER_CONTEXT·b·(n − REFERENCE): reading the cache costs the
+    same whatever the width, so a longer context makes wide passes relatively cheaper."""
+    widths = [1, 5, 9]
+    return ContextCurve(
+        reference=REFERENCE,
+        batches=batches,
+        contexts=contexts,
+        widths=widths,
+        seconds=[[[with_context(b, w, n) for w in widths] for n in contexts] for b in batches],
+    )
+
+
+def with_context(batch: float, width: int, context: float) -> float:
+    return step(batch, width) + PER_CONTEXT * batch * (context - REFERENCE)

@@ -5,6 +5,7 @@ from policies.capacity import (
     CurveModel,
     PolicyRouter,
     SpeculativeModel,
+    backend_model,
     backend_of,
     kv_bytes,
     replica_key,
@@ -145,3 +146,18 @@ def test_a_routed_replica_is_busy_while_any_of_its_backends_is():
     assert s.busy_share == pytest.approx((3.0 + 1.0) / (3.0 * 2))
     assert s.mean_requests == pytest.approx((2.0 + 2.0 + 1.0) / (3.0 * 2))
     assert s.peak_rows == 2  # replica 0's two backends held one request each at t = 1..2
+
+
+def test_simulated_steps_read_the_curves_at_the_rows_decode_context():
+    from policies.capacity import CONTEXT_GRAIN, batch_context
+    from tests.policies.profiles import context_curve, with_context
+
+    rows = [SimRequest(id=i, prompt_tokens=850 + 100 * i, output_tokens=200) for i in range(4)]
+    assert batch_context(rows) == round(1100 / CONTEXT_GRAIN) * CONTEXT_GRAIN  # mean prompt 1000 + half of 200
+    profile = synthetic_profile(quantized_agreement=0.99).model_copy(update={"context": context_curve()})
+    plain = backend_model(profile, "plain", {}, 8)
+    assert plain.decode_step(rows)[0] == pytest.approx(with_context(4, 1, batch_context(rows)))
+    # The quantized model's weights are cheaper; reading the cache costs it what it costs the target.
+    quantized = backend_model(profile, "quantized", {}, 8)
+    grown = with_context(4, 1, batch_context(rows)) - step(4, 1)
+    assert quantized.decode_step(rows)[0] == pytest.approx(profile.quantized.curve.at(4, 1) + grown)

@@ -251,3 +251,21 @@ def test_a_structured_drafter_wider_than_the_profile_measured_is_left_out_with_a
     decision = decide(features("copy", **{"lookahead-2x3x1": 0.8}), load(1), _with_lookahead(17), config)
     assert decision.backend != "speculative"
     assert any("runs passes of 17 positions; the profile measured up to 9" in r for r in decision.reasons)
+
+
+def test_a_long_prompt_is_costed_at_its_own_context():
+    """Every pass over a long context costs more, a wide one relatively less: the policy reads the
+    curves at the request's decode context (prompt + half the answer), so v(b, k) falls with it."""
+    from tests.policies.profiles import context_curve, with_context
+
+    profile = synthetic_profile().model_copy(update={"context": context_curve()})
+    load = LoadSnapshot(in_flight={"plain": 7})  # concurrency 8
+    short = decide(RequestFeatures(prompt_tokens=64, max_tokens=128, category="copy"), load, profile, PolicyConfig())
+    long = decide(RequestFeatures(prompt_tokens=1936, max_tokens=128, category="copy"), load, profile, PolicyConfig())
+    plain_short, plain_long = (next(c for c in d.candidates if c.backend == "plain") for d in (short, long))
+    assert plain_short.tpot_ms == pytest.approx(with_context(8, 1, 64 + 64) * 1e3)
+    assert plain_long.tpot_ms == pytest.approx(with_context(8, 1, 1936 + 64) * 1e3)
+    spec_short, spec_long = (
+        next(c for c in d.candidates if c.backend == "speculative" and c.drafter == "ngram") for d in (short, long)
+    )
+    assert spec_long.v < spec_short.v or spec_long.k > spec_short.k

@@ -4,8 +4,17 @@ import math
 import pytest
 from pydantic import ValidationError
 
-from policies.profile import CostCurve, Profile, ProfileError
-from tests.policies.profiles import FIXED, PER_TOKEN, curve, step, synthetic_profile
+from policies.profile import ContextCurve, CostCurve, Profile, ProfileError
+from tests.policies.profiles import (
+    FIXED,
+    PER_TOKEN,
+    REFERENCE,
+    context_curve,
+    curve,
+    step,
+    synthetic_profile,
+    with_context,
+)
 
 
 def test_curve_is_exact_at_measured_points_and_log_linear_between():
@@ -119,3 +128,55 @@ def test_a_seed_written_with_one_quality_still_reads():
     read = AcceptanceSeed.model_validate(seed)
     assert [q.method for q in read.quality] == ["smoothquant"] and read.quality_of("smoothquant").agreement == 0.8
     assert read.quality_of("int4-weight-only") is None
+
+
+def test_context_scales_a_pass_by_what_was_measured_at_that_context():
+    context = context_curve()
+    profile = synthetic_profile().model_copy(update={"context": context})
+    for b, w, n in [(1, 1, 64), (4, 5, 512), (16, 9, 2048), (64, 1, 192)]:  # measured points
+        assert profile.pass_seconds(b, w, n) == pytest.approx(with_context(b, w, n))
+    assert context.factor(8, 3, REFERENCE) == pytest.approx(1.0)  # the curve's own context: unscaled
+    assert profile.pass_seconds(8, 3, None) == profile.target.at(8, 3)
+    # Linear in context and in width between measured ones (the synthetic cost is linear in both).
+    assert profile.pass_seconds(16, 3, 1000) == pytest.approx(with_context(16, 3, 1000))
+    # Past the longest context, along the last segment's slope.
+    assert profile.pass_seconds(16, 1, 4096) == pytest.approx(with_context(16, 1, 4096))
+    # A long context makes a wide pass relatively cheaper: v(b, k) falls.
+    v = [profile.pass_seconds(16, 9, n) / profile.pass_seconds(16, 1, n) for n in (64, 512, 2048)]
+    assert v == sorted(v, reverse=True) and v[0] > v[-1] * 1.2
+
+
+def test_context_between_measured_batches_is_interpolated_in_log_batch():
+    context = context_curve(batches=[1, 4])
+    low, high = context.factor(1, 1, 2048), context.factor(4, 1, 2048)
+    assert context.factor(2, 1, 2048) == pytest.approx((low + high) / 2)
+    assert context.factor(64, 1, 2048) == pytest.approx(high)  # beyond the largest measured batch
+
+
+def test_cells_left_out_by_the_budget_are_skipped():
+    full = context_curve(batches=[1, 2, 4])
+    seconds = [row[:] for row in full.seconds]
+    seconds[2] = [seconds[2][0], [None, None, None], [None, None, None], [None, None, None]]  # batch 4: one context
+    partial = ContextCurve(**(full.model_dump() | {"seconds": seconds}))
+    assert partial.factor(4, 1, 2048) == pytest.approx(full.factor(2, 1, 2048))  # batch 4 unusable: batch 2's
+    assert partial.factor(2, 1, 2048) == pytest.approx(full.factor(2, 1, 2048))
+
+
+@pytest.mark.parametrize(
+    "update,message",
+    [
+        ({"contexts": [512, 64, 192, 2048]}, "contexts must be positive and strictly increasing"),
+        ({"seconds": [[[0.1, 0.1, 0.1]]]}, "seconds must be batches × contexts × widths"),
+    ],
+)
+def test_bad_context_curves_are_refused(update, message):
+    fields = context_curve().model_dump() | update
+    with pytest.raises(ValidationError, match=message):
+        ContextCurve(**fields)
+
+
+def test_a_context_curve_with_no_batch_at_two_contexts_is_refused():
+    fields = context_curve(batches=[1], contexts=[64, 192]).model_dump()
+    fields["seconds"] = [[[0.1, 0.2, 0.3], [None, None, None]]]
+    with pytest.raises(ValidationError, match="no batch has two measured contexts"):
+        ContextCurve(**fields)

@@ -1,10 +1,11 @@
+import copy
 import random
 from datetime import UTC, datetime
 
 import pytest
 
 from policies.profile import AcceptanceSample, CostCurve, ModelSummary, Profile, ProfileError
-from profiler.predictor import AlphaPredictor, UnknownDrafterError, cross_validate
+from profiler.predictor import MIN_PROMPTS_TO_BOOST, AlphaPredictor, UnknownDrafterError, cross_validate
 
 NGRAM = "ngram"
 MODEL = "model:Tiny-135M@bfloat16"
@@ -79,9 +80,14 @@ def samples() -> list[AcceptanceSample]:
     return make_samples()
 
 
-@pytest.fixture
-def predictor(samples) -> AlphaPredictor:
+@pytest.fixture(scope="module")
+def fitted(samples) -> AlphaPredictor:
     return AlphaPredictor.fit(samples)
+
+
+@pytest.fixture
+def predictor(fitted) -> AlphaPredictor:
+    return copy.deepcopy(fitted)  # each test's online state starts empty; fitting once keeps the module fast
 
 
 def estimate(predictor: AlphaPredictor, text: str = CHAT_QUESTION, drafter: str = NGRAM, category: str | None = "chat"):
@@ -106,14 +112,55 @@ def make_profile(samples: list[AcceptanceSample]) -> Profile:
     )
 
 
-def test_cross_validated_error_beats_the_constant_baseline(samples):
+def test_cross_validated_error_beats_both_baselines_and_names_the_chosen_model():
+    samples = make_samples(per_category=4)  # under MIN_PROMPTS_TO_BOOST prompts: no boosting, a fast test
     scores = cross_validate(samples, folds=5, seed=0)
     assert [s.drafter for s in scores] == sorted(TRUE_ALPHA)
     for score in scores:
-        assert score.folds == 5 and score.samples == 49
+        assert score.folds == 5 and score.samples == 28
         assert score.mae_with_category < score.mae_constant
         assert score.mae_text_only < score.mae_constant
+        # The truth is a per-shape constant, so the category mean is a strong baseline of its own.
+        assert score.mae_category_mean is not None and score.mae_category_mean < score.mae_constant
+        assert score.model is not None and "boosting" not in score.model
     assert cross_validate(samples, folds=5, seed=0) == scores  # deterministic
+    always = [s.model_copy(update={"requested_steps": 50, "drafts": 50, "proposal_rate": 1.0}) for s in samples]
+    proposal = cross_validate(always, folds=5, seed=0, target="proposal_rate")
+    assert [(s.target, s.model, s.mae_text_only) for s in proposal] == [("proposal_rate", "constant", 0.0)] * 2
+
+
+def test_selection_picks_boosting_when_the_truth_is_not_linear():
+    # α is high only for mid-length prompts: no weighted sum of features fits that, two splits do.
+    rng = random.Random(3)
+    samples = []
+    for i in range(MIN_PROMPTS_TO_BOOST + 10):
+        tokens = rng.choice([20, 40, 150, 200, 250, 900, 1500])
+        alpha = 0.8 if 100 <= tokens < 300 else 0.2
+        samples.append(
+            AcceptanceSample(
+                prompt_id=f"p-{i}",
+                category="chat",
+                drafter=NGRAM,
+                text=CHAT_QUESTION,
+                turns=1,
+                prompt_tokens=tokens,
+                judged_tokens=100,
+                accepted_tokens=round(100 * alpha),
+                alpha=round(100 * alpha) / 100,
+            )
+        )
+    predictor = AlphaPredictor.fit(samples)
+    middle = predictor.predict(CHAT_QUESTION, turns=1, prompt_tokens=200, drafter=NGRAM)
+    long = predictor.predict(CHAT_QUESTION, turns=1, prompt_tokens=1500, drafter=NGRAM)
+    assert "boosting" in middle.source
+    assert middle.alpha == pytest.approx(0.8, abs=0.1) and long.alpha == pytest.approx(0.2, abs=0.1)
+
+
+def test_a_drafter_with_one_alpha_everywhere_predicts_that_constant(samples):
+    update = {"judged_tokens": 100, "accepted_tokens": 50, "alpha": 0.5}
+    flat = [s.model_copy(update=update) for s in samples if s.drafter == MODEL]
+    result = estimate(AlphaPredictor.fit(flat), drafter=MODEL)
+    assert result.alpha == pytest.approx(0.5) and "mean of 49 samples" in result.source
 
 
 def test_cross_validate_skips_drafters_with_too_few_prompts(samples):

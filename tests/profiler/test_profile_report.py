@@ -3,6 +3,7 @@ table row shows the measured values of its own batch, drafter or category, forma
 
 import pytest
 
+from policies.profile import PredictorScore
 from profiler.profile_report import render_profile
 from tests.policies.profiles import BATCHES, FIXED, PER_TOKEN, step, synthetic_profile
 
@@ -62,3 +63,41 @@ def test_the_quantized_section_shows_method_agreement_and_speed_against_the_targ
         target = step(b, 1)
         int8 = step(b, 1, 0.6 * FIXED, 0.6 * PER_TOKEN)  # the profile's int8 curve: 0.6 × the target's
         assert table[b] == [f"{int8 * 1e3:.1f}", f"{target * 1e3:.1f}", f"{target / int8:.2f}×"]
+
+
+def test_predictor_rows_show_each_error_both_baselines_and_the_chosen_model():
+    scores = [
+        PredictorScore(
+            drafter="ngram",
+            target="proposal_rate",
+            folds=5,
+            samples=70,
+            mae_with_category=0.16,
+            mae_text_only=0.17,
+            mae_constant=0.226,
+            mae_category_mean=0.197,
+            model="ridge (text only: boosting)",
+        ),
+        PredictorScore(
+            drafter="eagle", folds=5, samples=70, mae_with_category=0.07, mae_text_only=0.08, mae_constant=0.1
+        ),
+    ]
+    profile = synthetic_profile().model_copy(update={"predictor": scores})
+    table = rows(render_profile(profile).splitlines(), "α and ρ predictors")
+    assert table[0][:8] == ["ngram", "ρ", "70", "5", "0.160", "0.170", "0.226", "0.197"]
+    assert " ".join(table[0][8:]) == "ridge (text only: boosting)"
+    assert table[1] == ["eagle", "α", "70", "5", "0.070", "0.080", "0.100", "—", "—"]  # scored before both existed
+
+
+def test_the_context_table_reads_the_curves_at_each_context():
+    from tests.policies.profiles import context_curve, with_context
+
+    profile = synthetic_profile().model_copy(update={"context": context_curve()})
+    table = {int(r[0]): r[1:] for r in rows(render_profile(profile).splitlines(), "by cached context")}
+    assert sorted(table) == BATCHES
+    for b in (1, 16):
+        for i, n in enumerate((64, 512, 1024, 2048)):
+            step_ms, v = table[b][2 * i : 2 * i + 2]
+            assert step_ms == f"{with_context(b, 1, n) * 1e3:.1f}"
+            assert v == f"{with_context(b, 9, n) / with_context(b, 1, n):.2f}"  # v(b, 8): the 9-wide pass
+    assert not any(line.startswith("by cached context") for line in render_profile(synthetic_profile()).splitlines())

@@ -37,6 +37,7 @@ SMALL = ProfileConfig(
     batches=[1, 2],
     max_width=4,
     prefill_lengths=[8, 32],
+    contexts=[64, 512],
     drafters=["ngram", "eagle"],
     acceptance_k=3,
     max_tokens=24,
@@ -82,6 +83,11 @@ def test_profile_records_what_it_measured_on(profile):
     assert profile.target.batches == [1, 2] and profile.target.widths == [1, 2, 3, 4]
     assert all(s > 0 for row in profile.target.seconds for s in row)
     assert profile.prefill.widths == [8, 32]
+    context = profile.context
+    assert context is not None and context.reference == 192 and context.contexts == [64, 192, 512]
+    assert context.batches == [1, 2] and context.widths == [1, 3, 4]
+    assert all(s is not None and s > 0 for row in context.seconds for cell in row for s in cell)
+    assert context.factor(2, 4, 192) == pytest.approx(1.0)
     assert [d.name for d in profile.drafters] == ["ngram", "eagle"]
 
 
@@ -213,12 +219,21 @@ def test_model_fit_sets_measured_against_predicted(profile_path):
     assert [(p.batch, p.k) for p in report.points] == [(1, 1), (1, 3), (2, 1), (2, 3)]
     assert all(p.identical for p in report.points)  # lossless: every row equals plain decoding
     for p in report.points:
-        assert p.measured == pytest.approx(p.plain_seconds / p.spec_seconds)  # same tokens for both engines
+        assert p.measured == pytest.approx(p.spec_tokens_per_s / p.plain_tokens_per_s)
         assert 0 <= p.alpha <= 1 and 0 <= p.proposal_rate <= 1
         assert 1 / 3 < p.predicted / p.measured < 3  # loose: 8 tokens per row on a noisy machine
     assert math.isfinite(report.mape) and report.break_even[0].category == "summarization"
+    # Held-out prompts, costs read at each cell's context, predictions from the predictor per prompt.
+    held_out = load_prompt_set("heldout").categories["summarization"].prompts[0]
+    assert [p.prompt_id for p in report.prompts] == [held_out.id] and report.prompts[0].prompt_tokens > 100
+    assert all(p.context == pytest.approx(report.prompts[0].prompt_tokens + 4) for p in report.points)
+    assert all(p.predicted_prompt is not None and 0 <= (p.alpha_predicted or 0) <= 1 for p in report.points)
+    assert [g.name for g in report.by_batch] == ["b=1", "b=2"] and report.by_category[0].cells == 4
+    assert [f.target for f in report.predictor] == ["alpha", "proposal_rate"]
+    assert [(r.category, r.batch) for r in report.routing] == [("summarization", 1), ("summarization", 2)]
     text = render_model_fit(report)
     assert f"mean absolute percentage error: {report.mape:.1f}% (prediction from the run's α)" in text
+    assert "per-prompt predictor (heldout prompts" in text and "routing on a prediction" in text
     first = report.points[0]
     row = next(line for line in text.splitlines() if line.split()[:3] == ["summarization", "1", "1"])
     assert f"{first.measured:.2f}×" in row and f"{first.predicted:.2f}×" in row and row.endswith("yes")

@@ -45,7 +45,9 @@ def test_prompt_advice_predicts_alpha_and_prints_a_table(capsys, profile_path):
     assert code == 0
     assert out.startswith("decision: ")
     assert "why:" in out and "speedup" in out and "TPOT ms" in out
-    assert "model (text only, no category given)" in out
+    # The reason names what the α came from: the synthetic prompts' texts ("copy prompt 3") carry no
+    # signal, so cross-validation chose the drafter's mean over a regression.
+    assert "α̂=0.60 (model (mean of 18 samples))" in out
     # The same advice as JSON: its decision and every candidate's numbers appear in the text, formatted.
     code, raw, _ = advise(capsys, "copy prompt 3", "--profile", str(profile_path), "--json")
     advice = json.loads(raw)

@@ -8,6 +8,7 @@ import pytest
 from backends.errors import RequestError
 from backends.generation import GenerationRequest, GenerationResult
 from backends.models import load_tokenizer
+from backends.speculative.stats import SpeculationStats
 from backends.streaming import StreamEvent
 from policies.config import PolicyConfig
 from router.core import Limits, RouterCore
@@ -85,6 +86,53 @@ def test_in_flight_counts_a_request_while_it_runs(tokenizer):
     events = asyncio.run(run())
     assert events[-1].result.text == "ok"
     assert pool.seen_load == [1] and router.load[routed.backend] == 0
+
+
+class SpeculativePool:
+    """Every request finishes on the given speculation statistics."""
+
+    def __init__(self, stats: SpeculationStats) -> None:
+        self.stats = stats
+
+    async def stream(self, backend, request, drafter, batching="continuous"):
+        result = one_token_result("ok", 1).model_copy(update={"speculation": self.stats})
+        yield StreamEvent(text="ok", token_ids=[1], result=result)
+
+
+def finish_speculative(tokenizer, stats: SpeculationStats, requests: int = 1) -> RouterCore:
+    router = RouterCore(synthetic_profile(), PolicyConfig(), tokenizer, SpeculativePool(stats))
+
+    async def run():
+        prepared = router.prepare(*request())
+        return [e async for e in router.run(prepared, router.route(prepared))]
+
+    for _ in range(requests):
+        asyncio.run(run())
+    return router
+
+
+def predicted(router: RouterCore) -> tuple[float, float]:
+    """(α, ρ) the router's predictors give ngram on the test request's prompt."""
+    text, tokens = "prose prompt 1", 40
+    alpha = router.predictors.alpha.predict(text, 1, tokens, "ngram", "prose").alpha
+    rho = router.predictors.proposal_rate.predict(text, 1, tokens, "ngram", "prose").alpha
+    return alpha, rho
+
+
+def test_finished_requests_correct_both_the_alpha_and_the_proposal_rate_predictions(tokenizer):
+    # The synthetic profile measured ngram on prose at α 0.1 and ρ 1.0; these requests saw α 0.9, ρ 0.2.
+    stats = SpeculationStats(
+        drafter="ngram", k_mode="4", requested_steps=50, drafts=10, accepted_tokens=36, judged_tokens=40
+    )
+    untouched = finish_speculative(tokenizer, stats, requests=0)
+    router = finish_speculative(tokenizer, stats, requests=5)
+    (alpha_before, rho_before), (alpha_after, rho_after) = predicted(untouched), predicted(router)
+    assert alpha_after > alpha_before + 0.1 and rho_after < rho_before - 0.1
+    # A drafter that never proposed judged nothing, yet still says ρ was low; α is left alone.
+    silent = stats.model_copy(update={"drafts": 0, "accepted_tokens": 0, "judged_tokens": 0})
+    router = finish_speculative(tokenizer, silent, requests=5)
+    alpha_silent, rho_silent = predicted(router)
+    assert alpha_silent == alpha_before and rho_silent < rho_before - 0.1
 
 
 @pytest.mark.parametrize(("agreement", "below"), [(None, ["quantized"]), (0.90, ["quantized"]), (0.95, []), (0.99, [])])

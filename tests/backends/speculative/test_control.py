@@ -125,3 +125,26 @@ def test_a_new_sequence_starts_from_what_its_drafter_showed():
     seeded = drafter.seeded(weight=4.0)
     assert seeded.alpha.mean == pytest.approx(drafter.alpha.mean)
     assert seeded.alpha.prior_weight == 4.0 and seeded.alpha.trials == 0
+
+
+def test_with_a_context_scale_the_table_is_read_at_the_rows_context():
+    """A profile's context curve: the table holds passes at its reference context; probes (run at a
+    short context) are brought to it, reads and real passes are scaled from the rows' context."""
+
+    def scale(batch, width, context):  # a pass over n cached tokens: 1 + n/1000 of one over none
+        return 1.0 + context / 1000
+
+    costs = StepCosts(
+        lambda batch, widths: {w: 0.01 * w * scale(batch, w, 64) for w in widths},
+        max_width=3,
+        context_scale=scale,
+        table_context=200,
+        probe_context=64,
+    )
+    assert costs.seconds(1, 2) == pytest.approx(0.02 * 1.2)  # the table's context
+    assert costs.seconds(1, 2, 1000) == pytest.approx(0.02 * 2.0)
+    assert costs.cheapest_width(1, 2, 1000) == 2
+    costs.record_target(1, 1, 0.01 * 2.0, context=1000)  # exactly as predicted there: the level stays
+    assert costs.seconds(1, 1, 0) == pytest.approx(0.01)
+    costs.record_target(1, 1, 0.01 * 2.0 * 2, context=1000)  # twice as slow: the level moves by the smoothing
+    assert costs.seconds(1, 1, 0) == pytest.approx(0.01 * (1 + costs.smoothing))
