@@ -270,7 +270,7 @@ class _Seen:
     """Per prompt, across the whole bench: its length, predictions and the speculation it achieved."""
 
     def __init__(self) -> None:
-        self.prompts: dict[str, tuple[str, WorkloadPrompt, int, float, float]] = {}
+        self.prompts: dict[str, tuple[str, int, float, float]] = {}  # category, tokens, α, ρ
         self.stats: dict[str, list[SpeculationStats]] = {}
         self._ids: dict[str, list[str]] = {}
 
@@ -289,13 +289,13 @@ class _Seen:
             if prompt.id not in self.prompts:
                 tokens = len(plain.encode(request))
                 alpha, rho = predictors.predict(request, tokens, drafter, category)
-                self.prompts[prompt.id] = (category, prompt, tokens, alpha, rho)
+                self.prompts[prompt.id] = (category, tokens, alpha, rho)
         known = [self.prompts[p.id] for p in prompts]
         return _Outlook(
-            context=decode_context(sum(k[2] for k in known) / len(known), max_tokens),
-            tokens=[k[2] for k in known],
-            alphas=[k[3] for k in known],
-            rhos=[k[4] for k in known],
+            context=decode_context(sum(k[1] for k in known) / len(known), max_tokens),
+            tokens=[k[1] for k in known],
+            alphas=[k[2] for k in known],
+            rhos=[k[3] for k in known],
         )
 
     def add(self, category: str, cells: dict[str, _Cell]) -> None:
@@ -307,7 +307,7 @@ class _Seen:
 
     def fits(self, profile: Profile, drafter: str) -> list[PromptFit]:
         fits = []
-        for prompt_id, (category, _, tokens, alpha, rho) in self.prompts.items():
+        for prompt_id, (category, tokens, alpha, rho) in self.prompts.items():
             if prompt_id not in self.stats:
                 continue
             run = SpeculationStats.combined(self.stats[prompt_id])
@@ -334,10 +334,13 @@ class _Cell(BaseModel):
     tokens: int = 0
     seconds: float = 0.0
     outputs: list[list[int]] = Field(default_factory=list)
-    stats: list[SpeculationStats] = Field(default_factory=list)
     prompt_stats: list[tuple[int, SpeculationStats]] = Field(
         default_factory=list, description="(prompt index, its row's)"
     )
+
+    @property
+    def stats(self) -> list[SpeculationStats]:
+        return [s for _, s in self.prompt_stats]
 
 
 class _Rotation:
@@ -385,7 +388,6 @@ def _measure_cell(
             cell.outputs += outputs
             for row, row_stats in enumerate(stats):
                 if row_stats is not None:
-                    cell.stats.append(row_stats)
                     cell.prompt_stats.append(((start + row) % len(requests), row_stats))
     return cells
 
