@@ -269,9 +269,17 @@ class AcceptanceProfile(_Frozen):
     gamma: float = Field(ge=0, description="drafting time per step with a proposal over one target step")
 
 
+SampleSet = Literal["project", "training"]
+
+
 class AcceptanceSample(_Frozen):
     """One prompt's measured acceptance: a training example for the α predictor."""
 
+    prompt_set: SampleSet = Field(
+        "project",
+        description="project: a prompt of the profiled set (its categories' α are the profile's); training: one of "
+        "the larger training set, measured only to give the predictor more examples",
+    )
     prompt_id: str
     category: str
     drafter: str
@@ -532,9 +540,14 @@ class Profile(_Frozen):
         steps = sum(a.steps for a in rows)
         return sum(a.proposal_rate * a.steps for a in rows) / steps if steps else 1.0
 
+    @property
+    def project_samples(self) -> list[AcceptanceSample]:
+        """The samples of the profiled prompt set (the training set's only train the predictor)."""
+        return [s for s in self.samples if s.prompt_set == "project"]
+
     def mean_prompt_tokens(self, category: str | None = None) -> int | None:
         """The profiled prompts' mean length in tokens, of one category or of all (None: no samples)."""
-        lengths = [s.prompt_tokens for s in self.samples if category is None or s.category == category]
+        lengths = [s.prompt_tokens for s in self.project_samples if category is None or s.category == category]
         return round(sum(lengths) / len(lengths)) if lengths else None
 
     @property

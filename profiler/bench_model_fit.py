@@ -153,13 +153,18 @@ class PromptFit(BaseModel):
 
 
 class PredictorFit(BaseModel):
-    """Mean absolute error over the prompts: the predictor, the profile's category mean, a constant."""
+    """Mean absolute error over the prompts: the predictor, the profile's category mean, a constant;
+    each also weighted by the prompt's evidence (α: judged tokens, ρ: steps that asked), which is
+    how much of the decoding each prompt's error steers."""
 
     target: str
     prompts: int
     mae_predictor: float
     mae_category: float
     mae_constant: float
+    weighted_mae_predictor: float
+    weighted_mae_category: float
+    weighted_mae_constant: float
 
 
 class RoutingCheck(BaseModel):
@@ -572,19 +577,32 @@ def _predictor_fit(prompts: list[PromptFit], profile: Profile, drafter: str) -> 
     }
     fits = []
     for target, constant in constants.items():
-        evidence = [p for p in prompts if (p.judged_tokens if target == "alpha" else p.requested_steps)]
+        evidence = [p for p in prompts if _evidence(p, target)]
         if not evidence:
             continue
+        errors = {
+            "predictor": [abs(getattr(p, f"{target}_predicted") - getattr(p, target)) for p in evidence],
+            "category": [abs(getattr(p, f"{target}_category") - getattr(p, target)) for p in evidence],
+            "constant": [abs(constant - getattr(p, target)) for p in evidence],
+        }
+        weights = [_evidence(p, target) for p in evidence]
         fits.append(
             PredictorFit(
                 target=target,
                 prompts=len(evidence),
-                mae_predictor=_mean([abs(getattr(p, f"{target}_predicted") - getattr(p, target)) for p in evidence]),
-                mae_category=_mean([abs(getattr(p, f"{target}_category") - getattr(p, target)) for p in evidence]),
-                mae_constant=_mean([abs(constant - getattr(p, target)) for p in evidence]),
+                **{f"mae_{name}": _mean(e) for name, e in errors.items()},
+                **{f"weighted_mae_{name}": _weighted_mean(e, weights) for name, e in errors.items()},
             )
         )
     return fits
+
+
+def _evidence(prompt: PromptFit, target: str) -> int:
+    return prompt.judged_tokens if target == "alpha" else prompt.requested_steps
+
+
+def _weighted_mean(values: Sequence[float], weights: Sequence[int]) -> float:
+    return sum(v * w for v, w in zip(values, weights, strict=True)) / sum(weights)
 
 
 def _routing(category: str, batch: int, points: list[FitPoint]) -> RoutingCheck:
@@ -704,12 +722,16 @@ def render_model_fit(report: ModelFitReport) -> str:
         lines += [
             "",
             f"per-prompt predictor ({c.prompt_set} prompts, α and ρ over every cell each ran in), mean absolute error:",
-            f"  {'':14} {'prompts':>7} {'predictor':>9} {'category mean':>13} {'constant':>8}",
+            "(weighted: each prompt by its evidence, judged tokens for α and steps that asked for ρ)",
+            f"  {'':14} {'prompts':>7} {'predictor':>9} {'category mean':>13} {'constant':>8} {'weighted:':>10} "
+            f"{'predictor':>9} {'category mean':>13} {'constant':>8}",
         ]
         for f in report.predictor:
             name = "α" if f.target == "alpha" else "ρ"
             lines.append(
-                f"  {name:14} {f.prompts:>7} {f.mae_predictor:9.3f} {f.mae_category:13.3f} {f.mae_constant:8.3f}"
+                f"  {name:14} {f.prompts:>7} {f.mae_predictor:9.3f} {f.mae_category:13.3f} {f.mae_constant:8.3f} "
+                f"{'':>10} {f.weighted_mae_predictor:9.3f} {f.weighted_mae_category:13.3f} "
+                f"{f.weighted_mae_constant:8.3f}"
             )
     if report.routing:
         lines += ["", *_routing_lines(report)]

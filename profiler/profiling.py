@@ -12,6 +12,7 @@ measured in full."""
 from __future__ import annotations
 
 import os
+import random
 import re
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -44,6 +45,7 @@ from backends.speculative.drafters import Drafter, ModelDrafter
 from backends.speculative.engine import K_LIMIT, SpeculativeEngine, measure_step_times
 from backends.speculative.factory import build_drafter
 from backends.speculative.stats import SpeculationStats
+from backends.training.prompts import TrainingPrompt, training_prompts
 from policies.drafters import SERVED_KINDS, DrafterConfig, DrafterKind, spec
 from policies.profile import (
     AcceptanceProfile,
@@ -57,6 +59,7 @@ from policies.profile import (
     Profile,
     ProfileError,
     QuantizedProfile,
+    SampleSet,
     ShippedQuality,
 )
 from policies.quantization import QuantChoice
@@ -74,6 +77,7 @@ SEED_SETTINGS = ("acceptance_k", "max_tokens", "categories", "prompts_per_catego
 SEED_DTYPES = ("float32", "bfloat16")  # the dtypes the service serves the embedded default in
 TIMING_PROMPTS = 2  # per category, in the short run that times each drafter when acceptance ships
 TIMING_TOKENS = 24
+TRAINING_DRAW_SEED = 0  # which training-set prompts the profile measures
 
 
 class ProfileConfig(ModelSettings):
@@ -95,6 +99,9 @@ class ProfileConfig(ModelSettings):
         32768, ge=1, description="the context curve skips batch × context above this many cached tokens"
     )
     repeats: int = Field(5, ge=1, le=50, description="timed tries per pass (the fastest counts)")
+    curve_sweeps: int = Field(
+        2, ge=1, le=8, description="times the target curve's batch grid is swept (up, down, …), sharing the repeats"
+    )
     enough_s: float = Field(
         3.0, ge=0, description="a batch's tries stop after two once they took this long (big passes vary little)"
     )
@@ -102,6 +109,12 @@ class ProfileConfig(ModelSettings):
     drafters: list[DrafterKind] = Field(default_factory=lambda: list(SERVED_KINDS))
     drafter: DrafterConfig = Field(default_factory=DrafterConfig, description="drafter options (kind is ignored)")
     acceptance_k: int = Field(8, ge=1, description="k every drafter runs at while its acceptance is measured")
+    training_prompts: int = Field(
+        100,
+        ge=0,
+        description="prompts per category of the larger training set (backends.training) whose acceptance is also "
+        "measured, as more examples for the α/ρ predictor only (0: none); shipped with the acceptance",
+    )
     max_tokens: int = Field(64, ge=2, le=2048)
     categories: list[str] | None = None
     prompts_per_category: int | None = Field(None, ge=1, description="default: every prompt of the set")
@@ -164,7 +177,8 @@ def run_profile(config: ProfileConfig, progress: bool = True, log: Callable[[str
         else:
             measured, prompt_samples, in_run = measure_acceptance(engine, config, progress)
         acceptance += measured
-        samples += prompt_samples
+        from_seed = seed if drafter.name in shipped else None
+        samples += prompt_samples + training_samples(engine, config, from_seed, progress)
         # The judged positions of those runs (fixed k: every position up to the first rejection).
         maps.append(engine.acceptance_map())
         drafters.append(drafter_profile(loaded, drafter, kind, config, in_run, progress))
@@ -301,8 +315,46 @@ def timed_seed(
         bar.update()
     stats = SpeculationStats.combined([r.speculation for r in results if r.speculation is not None])
     measured = [a.model_copy(update={"gamma": stats.gamma}) for a in seed.acceptance if a.drafter == drafter.name]
-    samples = [s for s in seed.samples if s.drafter == drafter.name]
+    samples = [s for s in seed.samples if s.drafter == drafter.name and s.prompt_set == "project"]
     return measured, samples, _in_run_costs(engine)
+
+
+def training_samples(
+    engine: SpeculativeEngine, config: ProfileConfig, seed: AcceptanceSeed | None, progress: bool
+) -> list[AcceptanceSample]:
+    """Per-prompt acceptance of the engine's drafter on `training_prompts` prompts per category of
+    the training set, which only the predictor reads (the profiled set's ~10 prompts a category
+    are too few to learn prompt-level α from): the seed's when it holds this drafter's, measured
+    with the same count, else measured now, each category as one greedy batch at the profile's k."""
+    if not config.training_prompts:
+        return []
+    if seed is not None and seed.settings.get("training_prompts") == config.training_prompts:
+        shipped = [s for s in seed.samples if s.drafter == engine.drafter.name and s.prompt_set == "training"]
+        if shipped:
+            return shipped
+    samples = []
+    label = f"training-set acceptance {engine.drafter.name}"
+    for category, prompts in tqdm(training_set(config).items(), desc=label, unit="category", disable=not progress):
+        requests = [GenerationRequest(messages=p.messages(), max_tokens=config.max_tokens) for p in prompts]
+        results = engine.generate(requests)
+        samples += [
+            _sample(p.id, category, engine.drafter.name, q, r, prompt_set="training")
+            for p, q, r in zip(prompts, requests, results, strict=True)
+        ]
+    return samples
+
+
+def training_set(config: ProfileConfig) -> dict[str, list[TrainingPrompt]]:
+    """`training_prompts` prompts of each training-set category the profile covers, a fixed random
+    draw (so every topic and phrasing can appear, and a seed's samples stay comparable)."""
+    prompts = training_prompts()
+    random.Random(TRAINING_DRAW_SEED).shuffle(prompts)
+    wanted = set(config.categories or load_prompt_set().categories)
+    by_category: dict[str, list[TrainingPrompt]] = {}
+    for prompt in prompts:
+        if prompt.category in wanted and len(by_category.setdefault(prompt.category, [])) < config.training_prompts:
+            by_category[prompt.category].append(prompt)
+    return by_category
 
 
 def write_seed(profile: Profile, path: Path | None = None) -> Path:
@@ -323,7 +375,7 @@ def write_seed(profile: Profile, path: Path | None = None) -> Path:
         fingerprint=model.fingerprint,
         machine=profile.machine,
         libraries=profile.libraries,
-        settings={k: profile.settings[k] for k in (*SEED_SETTINGS, "drafter", "quality_tokens")},
+        settings={k: profile.settings[k] for k in (*SEED_SETTINGS, "drafter", "quality_tokens", "training_prompts")},
         drafters=[DrafterName(name=d.name, kind=d.kind) for d in profile.drafters],
         acceptance=list(profile.acceptance),
         samples=list(profile.samples),
@@ -393,24 +445,25 @@ def _request(prompt: WorkloadPrompt, max_tokens: int) -> GenerationRequest:
 def measure_curve(
     loaded: LoadedModel, config: ProfileConfig, widths: Sequence[int], label: str, progress: bool
 ) -> CostCurve:
-    """Fastest of `repeats` pass times for every batch × width, `context_tokens` cached per sequence,
-    through passes shaped as the step loop runs them in this dtype (width-invariant in reduced
-    precision at the batches the loop tiles: there every width up to the tile costs one tile-wide
-    pass)."""
-    context, repeats, loop, dtype = config.context_tokens, config.repeats, LoopSettings(), loaded.info.dtype
+    """Fastest pass time for every batch × width, `context_tokens` cached per sequence, through
+    passes shaped as the step loop runs them in this dtype (width-invariant in reduced precision at
+    the batches the loop tiles: there every width up to the tile costs one tile-wide pass). The
+    batch grid is swept `curve_sweeps` times, up then down, the `repeats` tries shared out among
+    the sweeps: on a shared machine a slow spell of a few seconds can outlast every try of one
+    batch in a row (seen: a row 30% slow), but it rarely covers the same batch minutes apart."""
+    context, loop, dtype = config.context_tokens, LoopSettings(), loaded.info.dtype
     tile = loop.tile(dtype)
     if tile is not None and max(widths) > tile:
         raise ProfileError(
             f"{dtype} passes are width-invariant, {tile} positions wide: profile with max_width ≤ {tile}"
         )
-    rows = [
-        list(
-            measure_step_times(
-                loaded.model, b, widths, context, repeats, config.enough_s, tile, loop.tile_max_rows
-            ).values()
-        )
-        for b in tqdm(config.batches, desc=label, unit="batch", disable=not progress)
-    ]
+    repeats = -(-config.repeats // config.curve_sweeps)
+    best = {b: dict.fromkeys(widths, float("inf")) for b in config.batches}
+    order = [b for sweep in range(config.curve_sweeps) for b in config.batches[:: -1 if sweep % 2 else 1]]
+    for b in tqdm(order, desc=label, unit="batch", disable=not progress):
+        times = measure_step_times(loaded.model, b, widths, context, repeats, config.enough_s, tile, loop.tile_max_rows)
+        best[b] = {w: min(best[b][w], times[w]) for w in widths}
+    rows = [list(best[b].values()) for b in config.batches]
     return CostCurve(batches=list(config.batches), widths=list(widths), seconds=rows)
 
 
@@ -534,12 +587,18 @@ def acceptance_profile(category: str, k: int, prompts: int, stats: SpeculationSt
 
 
 def _sample(
-    prompt_id: str, category: str, drafter: str, request: GenerationRequest, result: GenerationResult
+    prompt_id: str,
+    category: str,
+    drafter: str,
+    request: GenerationRequest,
+    result: GenerationResult,
+    prompt_set: SampleSet = "project",
 ) -> AcceptanceSample:
     stats = result.speculation
     assert stats is not None  # the speculative engine always attaches its statistics
     text, turns = request.text_and_turns()
     return AcceptanceSample(
+        prompt_set=prompt_set,
         prompt_id=prompt_id,
         category=category,
         drafter=drafter,

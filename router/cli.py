@@ -196,6 +196,12 @@ def _add_profile_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=64, help="tokens per prompt in the acceptance runs")
     parser.add_argument("--categories", help="comma-separated categories (default: all)")
     parser.add_argument("--prompts", type=int, default=None, help="prompts per category (default: all)")
+    parser.add_argument(
+        "--training-prompts",
+        type=int,
+        default=100,
+        help="prompts per category of the larger training set also measured, for the α/ρ predictor only (0: none)",
+    )
     _add_drafter_args(parser)
     parser.add_argument(
         "--acceptance",
@@ -653,6 +659,7 @@ def run_profile(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens,
         categories=_str_list(args.categories) if args.categories else None,
         prompts_per_category=args.prompts,
+        training_prompts=args.training_prompts,
         acceptance="measure" if args.ship_acceptance else args.acceptance,
         quantization=[] if args.quantization == "none" else _str_list(args.quantization),
     )

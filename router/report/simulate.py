@@ -63,13 +63,13 @@ def loop_limits() -> LoopLimits:
 
 
 def _prompt_tokens(profile: Profile) -> dict[str, int]:
-    return {s.prompt_id: s.prompt_tokens for s in profile.samples}
+    return {s.prompt_id: s.prompt_tokens for s in profile.project_samples}
 
 
 def _measured_acceptance(profile: Profile) -> dict[str, dict[str, Acceptance]]:
     """Per prompt id and drafter: the α and ρ the profile measured on that very prompt."""
     out: dict[str, dict[str, Acceptance]] = {}
-    for s in profile.samples:
+    for s in profile.project_samples:
         out.setdefault(s.prompt_id, {})[s.drafter] = Acceptance(s.drafter, s.alpha, s.proposal_rate)
     return out
 
@@ -238,7 +238,7 @@ def _input_lengths(workload: Workload, profile: Profile, categories: np.ndarray,
     if workload.input_tokens is not None:
         return workload.input_tokens.sample(rng, len(categories)).tolist()
     by_category: dict[str, list[int]] = {}
-    for s in {s.prompt_id: s for s in profile.samples}.values():
+    for s in {s.prompt_id: s for s in profile.project_samples}.values():
         by_category.setdefault(s.category, []).append(s.prompt_tokens)
     missing = sorted({str(c) for c in categories} - set(by_category))
     if missing:

@@ -101,7 +101,7 @@ def test_the_predictor_is_scored_per_prompt_beside_the_category_mean_and_a_const
             alpha=0.0,
             proposal_rate=0.0,
             judged_tokens=0,  # never proposed: evidence for ρ, none for α
-            requested_steps=20,
+            requested_steps=60,
             alpha_predicted=0.2,
             proposal_rate_predicted=0.3,
             alpha_category=0.1,
@@ -114,3 +114,7 @@ def test_the_predictor_is_scored_per_prompt_beside_the_category_mean_and_a_const
     assert alpha.mae_constant == pytest.approx(abs(0.6 - 0.7), abs=0.01)  # (0.8 + 0.1 + 0.9) / 3 over equal judged
     assert rho.prompts == 2 and rho.mae_predictor == pytest.approx((0.1 + 0.3) / 2)
     assert rho.mae_category == pytest.approx((0.1 + 1.0) / 2)
+    # Weighted by evidence: the prompt that asked 60 times counts three times the one that asked 20.
+    assert alpha.weighted_mae_predictor == pytest.approx(0.1)
+    assert rho.weighted_mae_predictor == pytest.approx((0.1 * 20 + 0.3 * 60) / 80)
+    assert rho.weighted_mae_category == pytest.approx((0.1 * 20 + 1.0 * 60) / 80)

@@ -8,6 +8,7 @@ import math
 import pytest
 
 from backends.quantized import resolve_method
+from backends.speculative.engine import SpeculativeEngine
 from backends.speculative.factory import build_drafter
 from policies.drafters import SERVED_KINDS, DrafterConfig
 from policies.profile import AcceptanceSeed, Profile, ProfileError
@@ -42,7 +43,9 @@ SMALL = ProfileConfig(
     acceptance_k=3,
     max_tokens=24,
     quality_tokens=8,
+    training_prompts=2,
 )
+TRAINING_CATEGORIES = ["chat", "code", "math", "qa"]  # the training set's (backends.training.prompts)
 
 
 @pytest.fixture(scope="module")
@@ -66,6 +69,7 @@ def shipped(loaded, seeds) -> tuple[Profile, list[str]]:
         patch.setattr(profiling, "SEEDS_DIR", seeds)
         patch.setattr(profiling, "measure_acceptance", lambda *a: pytest.fail("acceptance was measured"))
         patch.setattr(profiling, "measure_quality", lambda *a: pytest.fail("int8 quality was measured"))
+        patch.setattr(profiling, "training_set", lambda *a: pytest.fail("training-set acceptance was measured"))
         profile = run_profile(SMALL.model_copy(update={"acceptance": "shipped"}), progress=False, log=lines.append)
     return profile, lines
 
@@ -107,13 +111,67 @@ def test_acceptance_covers_every_category_and_prompt(profile):
     prompt_set = load_prompt_set()
     assert profile.categories == sorted(prompt_set.categories)
     prompts = sum(len(c.prompts) for c in prompt_set.categories.values())
-    assert len(profile.samples) == prompts * len(profile.drafters)  # one sample per prompt and drafter
+    assert len(profile.project_samples) == prompts * len(profile.drafters)  # one sample per prompt and drafter
     for a in profile.acceptance:
         assert 0 <= a.alpha <= 1 and a.judged_tokens >= a.accepted_tokens
         assert a.accepted_per_position == sorted(a.accepted_per_position, reverse=True)  # survival only falls
         assert 0 <= a.proposal_rate <= 1 and a.drafts <= a.steps
         # Every accepted token is counted at its position: per-position shares add up to tokens per step.
         assert a.tokens_per_step == pytest.approx(1 + sum(a.accepted_per_position))
+
+
+def test_training_set_samples_feed_the_predictor_only(profile):
+    """`training_prompts` prompts of each training-set category per drafter, marked as such: the
+    predictor is fitted and scored on them too, while the profile's per-category α and prompt
+    lengths stay those of the profiled set."""
+    training = [s for s in profile.samples if s.prompt_set == "training"]
+    for drafter in profile.drafters:
+        mine = [s for s in training if s.drafter == drafter.name]
+        assert sorted(s.category for s in mine) == sorted(TRAINING_CATEGORIES * SMALL.training_prompts)
+        assert len({s.prompt_id for s in mine}) == len(mine) and all(s.judged_tokens >= s.accepted_tokens for s in mine)
+    project = profile.project_samples
+    for a in profile.acceptance:
+        rows = [s for s in project if s.category == a.category and s.drafter == a.drafter]
+        assert a.judged_tokens == sum(s.judged_tokens for s in rows)
+    chat = [s.prompt_tokens for s in project if s.category == "chat"]
+    assert profile.mean_prompt_tokens("chat") == round(sum(chat) / len(chat))
+    for score in profile.predictor:  # scored on every sample with evidence, of both prompt sets
+        mine = [s for s in profile.samples if s.drafter == score.drafter]
+        scored = [s for s in mine if (s.judged_tokens if score.target == "alpha" else s.requested_steps) > 0]
+        assert score.samples == len(scored) > len([s for s in scored if s.prompt_set == "project"])
+    per_drafter, training = len(project) // len(profile.drafters), len(TRAINING_CATEGORIES) * SMALL.training_prompts
+    expected = f"{per_drafter} prompts of the profiled set and {training} of the training set per drafter"
+    assert expected in render_profile(profile)
+
+
+def test_training_set_draws_a_fixed_spread_of_the_covered_categories():
+    picked = profiling.training_set(SMALL.model_copy(update={"training_prompts": 5, "categories": ["code", "rag"]}))
+    assert list(picked) == ["code"] and len(picked["code"]) == 5  # rag has no training-set prompts
+    assert len({p.topic for p in picked["code"]}) > 1  # a random draw, not the first topic's prompts
+    assert picked == profiling.training_set(SMALL.model_copy(update={"training_prompts": 5, "categories": ["code"]}))
+
+
+def test_a_seed_without_training_set_samples_has_them_measured(loaded, profile, seeds):
+    """A seed without the drafter's training-set samples, or of another count, cannot stand in for
+    the training set: it is measured with the profile's engine; a seed that has them gives its own."""
+    engine = SpeculativeEngine(loaded, build_drafter(DrafterConfig().of("ngram"), loaded), k=SMALL.acceptance_k)
+    seed = AcceptanceSeed.load(seed_path(profile.model.name, seeds))
+    from_seed = profiling.training_samples(engine, SMALL, seed, progress=False)
+    assert from_seed == [s for s in profile.samples if s.drafter == "ngram" and s.prompt_set == "training"]
+    # A seed of the same count without this drafter's training-set samples (e.g. a drafter it never
+    # shipped them for) is no answer either; one of another count or of none is the same case.
+    bare = seed.model_copy(
+        update={
+            "settings": {**seed.settings, "training_prompts": 1},
+            "samples": [s for s in seed.samples if s.prompt_set == "project"],
+        }
+    )
+    measured = profiling.training_samples(engine, SMALL.model_copy(update={"training_prompts": 1}), bare, False)
+    assert sorted(s.category for s in measured) == TRAINING_CATEGORIES and all(
+        s.prompt_set == "training" for s in measured
+    )
+    assert {s.prompt_id for s in measured} <= {s.prompt_id for s in from_seed}  # the same draw, cut shorter
+    assert profiling.training_samples(engine, SMALL.model_copy(update={"training_prompts": 0}), None, False) == []
 
 
 def test_prompt_lookup_accepts_more_where_answers_copy_the_prompt(profile):
