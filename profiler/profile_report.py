@@ -169,16 +169,14 @@ def _acceptance(profile: Profile) -> list[str]:
 
 
 def _predictor(profile: Profile) -> list[str]:
-    lines = [
-        "α and ρ predictors, cross-validated on held-out prompts (mean absolute error; baselines: the training "
-        "folds' mean, and their mean for the prompt's category; model: what cross-validation chose):"
-    ]
     drafters = max(len({s.drafter for s in profile.samples}), 1)
     training = sum(s.prompt_set == "training" for s in profile.samples) // drafters
-    lines.append(
-        f"  fitted on {len(profile.project_samples) // drafters} prompts of the profiled set and {training} of the "
-        "training set per drafter (the profile's α per category reads the profiled set only)"
-    )
+    lines = [
+        f"α and ρ predictors (fitted on {len(profile.project_samples) // drafters} prompts of the profiled set and "
+        f"{training} of the training set per drafter; the profile's α per category reads the profiled set only), "
+        "cross-validated on held-out prompts (mean absolute error; baselines: the training folds' mean, and their "
+        "mean for the prompt's category; model: what cross-validation chose):"
+    ]
     lines.append(
         f"  {'drafter':40} {'predicts':>8} {'prompts':>7} {'folds':>5} {'+category':>9} {'text only':>9} "
         f"{'constant':>9} {'cat. mean':>9}  model"
