@@ -30,7 +30,7 @@ from pydantic import Field
 from ray import serve
 
 from policies.drafters import SERVED_KINDS, DrafterConfig, DrafterKind
-from policies.profile import AcceptanceMap, Profile
+from policies.profile import Profile
 from policies.quantization import QuantChoice
 
 from .embedded import ensure_model_here
@@ -40,9 +40,16 @@ from .loop_metrics import LoopRecorder
 from .models import LoadedModel, load_model
 from .plain import PlainEngine
 from .quantized import calibration_cache, needs_calibration, quantize, resolve_method
-from .scheduler import LoopSettings, Scheduler, seeded_step_costs, step_costs
+from .scheduler import (
+    LoopSettings,
+    Scheduler,
+    profile_acceptance_maps,
+    seeded_draft_costs,
+    seeded_step_costs,
+    step_costs,
+)
 from .serving import ServingLoop
-from .speculative.control import DraftCosts, StepCosts
+from .speculative.control import StepCosts
 from .speculative.factory import build_drafter
 from .streaming import EngineQueue, StreamEvent
 
@@ -205,8 +212,8 @@ class SpeculativeBackend(_Backend):
         self.costs = _seeded_costs(self.loaded, s, widest) or step_costs(self.loaded, widest, s)
         self.costs.ensure(s.max_batch)  # probe what the profile did not measure before any request's clock starts
         profile = served_profile(s)
-        self.draft_costs = _seeded_draft_costs(profile, [d.name for d in self.drafters], s.max_batch)
-        self.acceptance_maps = _acceptance_maps(profile)
+        self.draft_costs = seeded_draft_costs(profile, [d.name for d in self.drafters], s.max_batch)
+        self.acceptance_maps = profile_acceptance_maps(profile)
         self.start(self.loaded)
 
     def scheduler(self) -> Scheduler:
@@ -231,23 +238,6 @@ def served_profile(settings: BackendSettings) -> Profile | None:
     if settings.profile_data is not None:
         return Profile.model_validate(settings.profile_data)
     return Profile.load(Path(settings.profile)) if settings.profile else None
-
-
-def _seeded_draft_costs(profile: Profile | None, names: list[str], max_batch: int) -> dict[str, DraftCosts]:
-    """Each profiled drafter's seconds per draft step at every batch bucket up to max_batch, so no
-    drafter is planned as free before the loop has timed it."""
-    if profile is None:
-        return {}
-    measured = {d.name: d for d in profile.drafters}
-    buckets = [1 << i for i in range(max(max_batch - 1, 0).bit_length() + 1)]
-    return {
-        name: DraftCosts(step_s={b: measured[name].step_at(b) for b in buckets}) for name in names if name in measured
-    }
-
-
-def _acceptance_maps(profile: Profile | None) -> dict[str, AcceptanceMap]:
-    """Each profiled drafter's per-proposal acceptance map (the loop refines it as it serves)."""
-    return {} if profile is None else {m.drafter: m for m in profile.acceptance_maps}
 
 
 def _seeded_costs(loaded: LoadedModel, settings: BackendSettings, max_width: int = 0) -> StepCosts | None:

@@ -51,7 +51,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from policies.cost_model import RowOutlook, plan_step
-from policies.profile import AcceptanceMap, ContextCurve, CostCurve
+from policies.profile import AcceptanceMap, ContextCurve, CostCurve, Profile
 from policies.quantization import REDUCED_PRECISION
 
 from .errors import RequestError
@@ -912,3 +912,20 @@ def seeded_step_costs(
         if b & (b - 1) == 0:  # the table is keyed by power-of-two buckets
             costs.target_s.update({(b, w): s for w, s in zip(curve.widths, row, strict=True)})
     return costs
+
+
+def seeded_draft_costs(profile: Profile | None, names: list[str], max_batch: int) -> dict[str, DraftCosts]:
+    """Each profiled drafter's seconds per draft step at every batch bucket up to max_batch, so no
+    drafter is planned as free before the loop has timed it."""
+    if profile is None:
+        return {}
+    measured = {d.name: d for d in profile.drafters}
+    buckets = [1 << i for i in range(max(max_batch - 1, 0).bit_length() + 1)]
+    return {
+        name: DraftCosts(step_s={b: measured[name].step_at(b) for b in buckets}) for name in names if name in measured
+    }
+
+
+def profile_acceptance_maps(profile: Profile | None) -> dict[str, AcceptanceMap]:
+    """Each profiled drafter's per-proposal acceptance map (the loop refines it as it serves)."""
+    return {} if profile is None else {m.drafter: m for m in profile.acceptance_maps}

@@ -10,10 +10,18 @@ each prompt before it runs (what the router knows). By default the prompts are t
 which neither the profile nor the predictor saw.
 
 The error is reported where it matters: per cell, per category and per batch; the break-even
-concurrency in grid steps; per prompt, the predictor's α and ρ against what the prompt achieved
-(beside the category mean and a constant); and the share of cells where routing on a prediction
-(plain, or speculation at the k predicted best) would have picked an option measured ≥ 5% slower
-than the fastest one.
+concurrency in grid steps; and the share of cells where routing on a prediction picks a backend
+measured ≥ 5% slower than the other. The backends are those the service runs: in every cell the
+speculative backend as served (the step loop choosing k per step, with the profile's draft costs
+and acceptance maps) is timed beside plain decoding, and the policy's own `decide()` routes from
+each prediction; the share that also counts the k picked (plain, or speculation at the k
+predicted best among the fixed ones) is shown beside it.
+
+The predictor is scored per prompt on every prompt of the set's categories (not just the cells'
+few), greedy at the profile's k over answers as long as its training samples': what it predicts
+is the α and ρ such an answer achieves. Each answer is then decoded on for as many tokens again,
+and the α and ρ of that second half set against the first: how far a prompt's own acceptance moves
+within one answer, the spread no prediction made before decoding can be expected to beat.
 
 What is timed is decoding with the whole batch in every pass, as the cost model assumes and a
 serving loop keeps it (finished requests make room for new ones): both engines run the step loop
@@ -31,6 +39,7 @@ the distinct prompts of the batch.
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -40,25 +49,39 @@ from typing import Literal
 from pydantic import BaseModel, Field, field_validator
 from tqdm import tqdm
 
-from backends.generation import GenerationRequest
-from backends.models import load_model
+from backends.generation import GenerationRequest, GenerationResult
+from backends.models import LoadedModel, load_model
 from backends.plain import PlainEngine
-from backends.scheduler import LoopSettings, Scheduler, seeded_step_costs
+from backends.scheduler import (
+    LoopSettings,
+    Scheduler,
+    profile_acceptance_maps,
+    seeded_draft_costs,
+    seeded_step_costs,
+)
+from backends.speculative.control import StepCosts
+from backends.speculative.drafters import Drafter
 from backends.speculative.engine import SpeculativeEngine
 from backends.speculative.factory import build_drafter
 from backends.speculative.stats import SpeculationStats
+from policies.config import PolicyConfig
 from policies.cost_model import break_even_concurrency, speedup, tokens_per_step
 from policies.drafters import KINDS, DrafterConfig, DrafterKind
 from policies.estimates import ProfileCosts, decode_context
-from policies.profile import Profile, ProfileError
+from policies.policy import AlphaInput, LoadSnapshot, RequestFeatures, decide
+from policies.profile import AcceptanceProfile, Profile, ProfileError
 
 from .hardware import MachineInfo, machine_info
 from .predictor import AlphaPredictor
-from .profiling import default_profile_path
+from .profiling import ProfileConfig, default_profile_path
 from .settings import ModelSettings
-from .workloads import PromptSetName, WorkloadPrompt, check_categories, load_prompt_set
+from .workloads import PromptSet, PromptSetName, WorkloadPrompt, check_categories, load_prompt_set
 
 PLAIN = "plain"
+SERVED = "served"  # the speculative backend as the service runs it: k chosen per step
+SPECULATIVE = "speculative"
+AlphaSource = Literal["predicted", "profile", "run"]
+ALPHA_SOURCES: tuple[AlphaSource, ...] = ("predicted", "profile", "run")
 MAX_STEP_TOKENS = 65536  # the step loop's largest step: every row's whole prompt at once
 WRONG_IF_SLOWER = 0.05  # a routing choice is wrong when what it picked measured this much slower than the best
 
@@ -77,6 +100,11 @@ class ModelFitConfig(ModelSettings):
     )
     prompt_set: PromptSetName = Field(
         "heldout", description="which prompt set the cells run ('heldout': none of it tuned the profile or predictor)"
+    )
+    predictor_prompts: int | None = Field(
+        None,
+        ge=0,
+        description="prompts per category that score the α/ρ predictor (None: every prompt of the set; 0: no scoring)",
     )
 
     _known_categories = field_validator("categories")(check_categories)
@@ -137,7 +165,8 @@ class ErrorGroup(BaseModel):
 
 
 class PromptFit(BaseModel):
-    """One prompt: the α and ρ it achieved over every cell it ran in, and what was predicted."""
+    """One prompt's answer, greedy at the profile's k: the α and ρ of its first half (as long as the
+    profile's answers) and of its second, and what was predicted for it."""
 
     category: str
     prompt_id: str
@@ -146,25 +175,62 @@ class PromptFit(BaseModel):
     proposal_rate: float
     judged_tokens: int
     requested_steps: int = Field(description="steps that asked the drafter for tokens (the evidence behind ρ)")
+    alpha_rest: float = Field(description="α over the answer's second half")
+    proposal_rate_rest: float
+    judged_tokens_rest: int = Field(description="0: the answer ended (or never proposed) in its first half")
+    requested_steps_rest: int
     alpha_predicted: float
     proposal_rate_predicted: float
     alpha_category: float = Field(description="the profile's α for the category")
     proposal_rate_category: float
+    alpha_online: float = Field(description="predicted after the prompts scored before it had fed back their α")
+    proposal_rate_online: float
 
 
 class PredictorFit(BaseModel):
-    """Mean absolute error over the prompts: the predictor, the profile's category mean, a constant;
-    each also weighted by the prompt's evidence (α: judged tokens, ρ: steps that asked), which is
-    how much of the decoding each prompt's error steers."""
+    """Mean absolute error over the prompts: the predictor (before any traffic, and online), the
+    profile's category mean, a constant, and the answer's second half against its first; each also
+    weighted by the prompt's evidence (α: judged tokens, ρ: steps that asked; the halves: the
+    smaller half's), which is how much of the decoding each prompt's error steers."""
 
     target: str
     prompts: int
     mae_predictor: float
+    mae_online: float
     mae_category: float
     mae_constant: float
     weighted_mae_predictor: float
+    weighted_mae_online: float
     weighted_mae_category: float
     weighted_mae_constant: float
+    halves_prompts: int = Field(0, description="prompts with evidence in both halves of the answer")
+    mae_halves: float | None = Field(None, description="|first half - second half| (None: no such prompt)")
+    weighted_mae_halves: float | None = None
+
+
+class BackendRouting(BaseModel):
+    """A cell's backend as the policy routes it from each prediction: the speculative backend as
+    served (k chosen per step) or plain; a choice is wrong when it measured slower than the other."""
+
+    category: str
+    batch: int
+    served: float = Field(description="the speculative backend as served, measured over plain")
+    best: str
+    chosen: dict[AlphaSource, str]
+    loss: dict[AlphaSource, float] = Field(description="how much slower the chosen backend measured than the best")
+
+
+class ServedPoint(BaseModel):
+    """The speculative backend as served (auto k) in one cell, against plain decoding."""
+
+    category: str
+    batch: int
+    tokens_per_s: float
+    measured: float = Field(description="measured decode speedup over plain")
+    alpha: float
+    proposal_rate: float
+    mean_k: float = Field(description="drafted tokens verified per step, on average")
+    identical: bool
 
 
 class RoutingCheck(BaseModel):
@@ -196,11 +262,20 @@ class ModelFitReport(BaseModel):
     prompts: list[PromptFit] = Field(default_factory=list)
     predictor: list[PredictorFit] = Field(default_factory=list)
     routing: list[RoutingCheck] = Field(default_factory=list)
+    served: list[ServedPoint] = Field(default_factory=list)
+    backend_routing: list[BackendRouting] = Field(default_factory=list)
 
-    def wrong_share(self, which: Literal["predicted", "profile", "run"]) -> float:
-        """Share of cells whose choice measured ≥ WRONG_IF_SLOWER slower than the best option."""
-        losses = [getattr(r, f"loss_{which}") for r in self.routing]
-        return sum(loss >= WRONG_IF_SLOWER for loss in losses) / max(len(losses), 1)
+    def wrong_share(self, which: AlphaSource) -> float:
+        """Share of cells whose choice (plain or a k) measured ≥ WRONG_IF_SLOWER slower than the best option."""
+        return _wrong_share([getattr(r, f"loss_{which}") for r in self.routing])
+
+    def wrong_backend_share(self, which: AlphaSource) -> float:
+        """Share of cells routed to a backend measured ≥ WRONG_IF_SLOWER slower than the other."""
+        return _wrong_share([r.loss[which] for r in self.backend_routing])
+
+
+def _wrong_share(losses: list[float]) -> float:
+    return sum(loss >= WRONG_IF_SLOWER for loss in losses) / max(len(losses), 1)
 
 
 def run_model_fit(config: ModelFitConfig, progress: bool = True) -> ModelFitReport:
@@ -222,12 +297,9 @@ def run_model_fit(config: ModelFitConfig, progress: bool = True) -> ModelFitRepo
         profile.acceptance_for(category, drafter.name)
     predictors = _Predictors.of(profile)
     plain = PlainEngine(loaded)  # for its tokenizer's chat template
-    # The plain side is the step loop the plain backend serves with: the same paged cache and passes.
-    engines: dict[str, Scheduler] = {PLAIN: Scheduler(loaded, loop)}
-    for k in config.ks:
-        engines[f"k={k}"] = SpeculativeEngine(loaded, drafter.fresh(), k=k, costs=costs, settings=loop)
+    engines = _engines(loaded, loop, costs, drafter, profile, config)
     grid = [(c, b) for c in categories for b in config.batches]
-    points, order, seen = [], _Rotation(list(engines)), _Seen()
+    points, served, routes, order, outlooks = [], [], [], _Rotation(list(engines)), _Outlooks()
     warmed: set[int] = set()
     for category, batch in tqdm(grid, desc="model fit", unit="cell", disable=not progress):
         prompts = prompt_set.categories[category].prompts[: config.prompts_per_category]
@@ -238,10 +310,39 @@ def run_model_fit(config: ModelFitConfig, progress: bool = True) -> ModelFitRepo
             _warm_up(engines, requests, batch)
             warmed.add(batch)
         measured = _measure_cell(engines, requests, batch, order, config.repeats)
-        outlook = seen.outlook(category, prompts, requests, plain, predictors, drafter.name, config.max_tokens)
-        seen.add(category, measured)
+        outlook = outlooks.of(prompts, requests, plain, predictors, drafter.name, category, config.max_tokens)
         points += _fit_points(category, batch, config, measured, profile, drafter.name, outlook)
-    return _report(config, loaded.info.as_dict(), profile, points, seen.fits(profile, drafter.name))
+        served.append(_served_point(category, batch, measured))
+        routes.append(_backend_routing(served[-1], measured, outlook, profile, drafter.name, config))
+    fits = _score_predictor(loaded, drafter, profile, prompt_set, categories, predictors, config, progress)
+    return _report(config, loaded.info.as_dict(), profile, points, fits, served, routes)
+
+
+def _engines(
+    loaded: LoadedModel,
+    loop: LoopSettings,
+    costs: StepCosts,
+    drafter: Drafter,
+    profile: Profile,
+    config: ModelFitConfig,
+) -> dict[str, Scheduler]:
+    """Plain decoding, the speculative backend as served (auto k up to the grid's largest k, started
+    from the profile's draft costs and acceptance map, as a replica starts) and each fixed k, all
+    the step loop the backends serve with: the same paged cache and passes."""
+    served = Scheduler(
+        loaded,
+        loop,
+        [drafter.fresh()],
+        "auto",
+        max(config.ks),
+        costs,
+        seeded_draft_costs(profile, [drafter.name], loop.max_batch),
+        profile_acceptance_maps(profile),
+    )
+    engines: dict[str, Scheduler] = {PLAIN: Scheduler(loaded, loop), SERVED: served}
+    for k in config.ks:
+        engines[f"k={k}"] = SpeculativeEngine(loaded, drafter.fresh(), k=k, costs=costs, settings=loop)
+    return engines
 
 
 class _Predictors:
@@ -261,78 +362,56 @@ class _Predictors:
         alpha = self.alpha.predict(text, turns, tokens, drafter, category).alpha
         return alpha, self.rho.predict(text, turns, tokens, drafter, category).alpha
 
+    def observe(
+        self, request: GenerationRequest, tokens: int, drafter: str, category: str, stats: SpeculationStats
+    ) -> None:
+        """What a finished request achieved, fed back as the router does: α from accepted of judged
+        tokens, ρ from drafts of the steps that asked."""
+        text, turns = request.text_and_turns()
+        if stats.judged_tokens:
+            self.alpha.observe(text, turns, tokens, drafter, category, stats.accepted_tokens, stats.judged_tokens)
+        if stats.requested_steps:
+            self.rho.observe(text, turns, tokens, drafter, category, stats.drafts, stats.requested_steps)
+
 
 class _Outlook(BaseModel):
     """What is known about a cell's prompts before it runs."""
 
+    category: str
     context: float
     tokens: list[int] = Field(description="each prompt's length in tokens")
     alphas: list[float]
     rhos: list[float]
 
 
-class _Seen:
-    """Per prompt, across the whole bench: its length, predictions and the speculation it achieved."""
+class _Outlooks:
+    """Per prompt, across the whole bench: its length in tokens and its predicted α and ρ."""
 
     def __init__(self) -> None:
-        self.prompts: dict[str, tuple[str, int, float, float]] = {}  # category, tokens, α, ρ
-        self.stats: dict[str, list[SpeculationStats]] = {}
-        self._ids: dict[str, list[str]] = {}
+        self.prompts: dict[str, tuple[int, float, float]] = {}
 
-    def outlook(
+    def of(
         self,
-        category: str,
         prompts: Sequence[WorkloadPrompt],
         requests: Sequence[GenerationRequest],
         plain: PlainEngine,
         predictors: _Predictors,
         drafter: str,
+        category: str,
         max_tokens: int,
     ) -> _Outlook:
-        self._ids[category] = [p.id for p in prompts]
         for prompt, request in zip(prompts, requests, strict=True):
             if prompt.id not in self.prompts:
                 tokens = len(plain.encode(request))
-                alpha, rho = predictors.predict(request, tokens, drafter, category)
-                self.prompts[prompt.id] = (category, tokens, alpha, rho)
+                self.prompts[prompt.id] = (tokens, *predictors.predict(request, tokens, drafter, category))
         known = [self.prompts[p.id] for p in prompts]
         return _Outlook(
-            context=decode_context(sum(k[1] for k in known) / len(known), max_tokens),
-            tokens=[k[1] for k in known],
-            alphas=[k[2] for k in known],
-            rhos=[k[3] for k in known],
+            category=category,
+            context=decode_context(_mean([k[0] for k in known]), max_tokens),
+            tokens=[k[0] for k in known],
+            alphas=[k[1] for k in known],
+            rhos=[k[2] for k in known],
         )
-
-    def add(self, category: str, cells: dict[str, _Cell]) -> None:
-        ids = self._ids[category]
-        for name, cell in cells.items():
-            if name != PLAIN:
-                for index, stats in cell.prompt_stats:
-                    self.stats.setdefault(ids[index], []).append(stats)
-
-    def fits(self, profile: Profile, drafter: str) -> list[PromptFit]:
-        fits = []
-        for prompt_id, (category, tokens, alpha, rho) in self.prompts.items():
-            if prompt_id not in self.stats:
-                continue
-            run = SpeculationStats.combined(self.stats[prompt_id])
-            measured = profile.acceptance_for(category, drafter)
-            fits.append(
-                PromptFit(
-                    category=category,
-                    prompt_id=prompt_id,
-                    prompt_tokens=tokens,
-                    alpha=run.alpha,
-                    proposal_rate=run.proposal_rate,
-                    judged_tokens=run.judged_tokens,
-                    requested_steps=run.requested_steps,
-                    alpha_predicted=alpha,
-                    proposal_rate_predicted=rho,
-                    alpha_category=measured.alpha,
-                    proposal_rate_category=measured.proposal_rate,
-                )
-            )
-        return fits
 
 
 class _Cell(BaseModel):
@@ -516,12 +595,169 @@ def _predict_cell(
     return len(inverse) / sum(inverse)
 
 
+def _served_point(category: str, batch: int, cells: dict[str, _Cell]) -> ServedPoint:
+    plain, cell = cells[PLAIN], cells[SERVED]
+    run = SpeculationStats.combined(cell.stats)
+    rate = cell.tokens / cell.seconds
+    return ServedPoint(
+        category=category,
+        batch=batch,
+        tokens_per_s=rate,
+        measured=rate / (plain.tokens / plain.seconds),
+        alpha=run.alpha,
+        proposal_rate=run.proposal_rate,
+        mean_k=_mean(run.k_history) if run.k_history else 0.0,
+        identical=_same_tokens(cell.outputs, plain.outputs),
+    )
+
+
+def _backend_routing(
+    served: ServedPoint,
+    cells: dict[str, _Cell],
+    outlook: _Outlook,
+    profile: Profile,
+    drafter: str,
+    config: ModelFitConfig,
+) -> BackendRouting:
+    """Where the policy sends the cell's requests from each prediction of α and ρ (the mean over the
+    cell's prompts; "run": what the fixed-k engines measured), against the backend measured faster."""
+    measured = {SPECULATIVE: served.measured, PLAIN: 1.0}
+    best = max(measured, key=lambda backend: (measured[backend], backend == PLAIN))
+    run = SpeculationStats.combined([s for name, cell in cells.items() if name.startswith("k=") for s in cell.stats])
+    category = profile.acceptance_for(outlook.category, drafter)
+    predictions = {
+        "predicted": (_mean(outlook.alphas), _mean(outlook.rhos)),
+        "profile": (category.alpha, category.proposal_rate),
+        "run": (run.alpha, run.proposal_rate),
+    }
+    chosen = {
+        source: _policy_backend(profile, config, served.batch, outlook, *predictions[source])
+        for source in ALPHA_SOURCES
+    }
+    return BackendRouting(
+        category=served.category,
+        batch=served.batch,
+        served=served.measured,
+        best=best,
+        chosen=chosen,
+        loss={source: 1.0 - measured[backend] / measured[best] for source, backend in chosen.items()},
+    )
+
+
+def _policy_backend(
+    profile: Profile, config: ModelFitConfig, batch: int, outlook: _Outlook, alpha: float, rho: float
+) -> str:
+    """The backend `decide()` picks at this concurrency with this α and ρ, the default policy
+    choosing between this drafter and plain decoding (quantization is not what the cell measures)."""
+    policy = PolicyConfig(
+        concurrency_override=batch,
+        speculation={"drafters": [config.drafter]},  # type: ignore[arg-type]
+        quantization={"enabled": False},  # type: ignore[arg-type]
+    )
+    features = RequestFeatures(
+        prompt_tokens=round(_mean(outlook.tokens)),
+        max_tokens=config.max_tokens,
+        category=outlook.category,
+        alphas={config.drafter: AlphaInput(alpha=alpha, source="bench model-fit", proposal_rate=rho)},
+    )
+    return decide(features, LoadSnapshot(), profile, policy).backend
+
+
+def _score_predictor(
+    loaded: LoadedModel,
+    drafter: Drafter,
+    profile: Profile,
+    prompt_set: PromptSet,
+    categories: list[str],
+    predictors: _Predictors,
+    config: ModelFitConfig,
+    progress: bool,
+) -> list[PromptFit]:
+    """Each category's prompts as one greedy batch at the profile's k, answering as long as the
+    profile's training samples did, then again twice as long (greedy: the same first half): each
+    prompt's α and ρ over the first half, what was predicted for it, and its second half's. Also
+    predicted online: by a copy of the predictors that has been told, as the router is, what each
+    prompt scored before it achieved."""
+    if config.predictor_prompts == 0:
+        return []
+    k, tokens = _profile_setting(profile, "acceptance_k"), _profile_setting(profile, "max_tokens")
+    engine = SpeculativeEngine(loaded, drafter.fresh(), k=k)
+    online = copy.deepcopy(predictors)
+    fits = []
+    for category in tqdm(categories, desc="predictor", unit="category", disable=not progress):
+        prompts = prompt_set.categories[category].prompts[: config.predictor_prompts]
+        halves = [
+            engine.generate([GenerationRequest(messages=p.messages, max_tokens=n) for p in prompts])
+            for n in (tokens, 2 * tokens)
+        ]
+        measured = profile.acceptance_for(category, drafter.name)
+        for prompt, first, whole in zip(prompts, *halves, strict=True):
+            request = GenerationRequest(messages=prompt.messages, max_tokens=tokens)
+            predicted = predictors.predict(request, first.prompt_tokens, drafter.name, category)
+            learned = online.predict(request, first.prompt_tokens, drafter.name, category)
+            assert first.speculation is not None  # the speculative engine always attaches its statistics
+            online.observe(request, first.prompt_tokens, drafter.name, category, first.speculation)
+            fits.append(_prompt_fit(category, prompt.id, first, whole, predicted, measured, learned))
+    return fits
+
+
+def _profile_setting(profile: Profile, name: str) -> int:
+    """An acceptance setting the profile was measured with (a profile that does not say: the default)."""
+    return int(profile.settings.get(name, ProfileConfig.model_fields[name].default))  # type: ignore[call-overload]
+
+
+def _prompt_fit(
+    category: str,
+    prompt_id: str,
+    first: GenerationResult,
+    whole: GenerationResult,
+    predicted: tuple[float, float],
+    measured: AcceptanceProfile,
+    online: tuple[float, float],
+) -> PromptFit:
+    """A prompt's α and ρ over its answer's first half (`first`, the shorter run) and the rest of
+    `whole` (counters beyond the first; a step that straddles the halves can make a difference
+    fall outside its counts, so each is clipped to them), beside the predicted (α, ρ), the
+    profile's for the category and the (α, ρ) predicted online."""
+    a, b = first.speculation, whole.speculation
+    assert a is not None and b is not None  # the speculative engine always attaches its statistics
+    judged = max(b.judged_tokens - a.judged_tokens, 0)
+    requested = max(b.requested_steps - a.requested_steps, 0)
+    accepted = min(max(b.accepted_tokens - a.accepted_tokens, 0), judged)
+    drafts = min(max(b.drafts - a.drafts, 0), requested)
+    return PromptFit(
+        category=category,
+        prompt_id=prompt_id,
+        prompt_tokens=first.prompt_tokens,
+        alpha=a.alpha,
+        proposal_rate=a.proposal_rate,
+        judged_tokens=a.judged_tokens,
+        requested_steps=a.requested_steps,
+        alpha_rest=accepted / judged if judged else 0.0,
+        proposal_rate_rest=drafts / requested if requested else 0.0,
+        judged_tokens_rest=judged,
+        requested_steps_rest=requested,
+        alpha_predicted=predicted[0],
+        proposal_rate_predicted=predicted[1],
+        alpha_category=measured.alpha,
+        proposal_rate_category=measured.proposal_rate,
+        alpha_online=online[0],
+        proposal_rate_online=online[1],
+    )
+
+
 def _mean(values: Sequence[float]) -> float:
     return sum(values) / len(values)
 
 
 def _report(
-    config: ModelFitConfig, model: dict[str, object], profile: Profile, points: list[FitPoint], prompts: list[PromptFit]
+    config: ModelFitConfig,
+    model: dict[str, object],
+    profile: Profile,
+    points: list[FitPoint],
+    prompts: list[PromptFit],
+    served: list[ServedPoint],
+    backend_routing: list[BackendRouting],
 ) -> ModelFitReport:
     categories = list(dict.fromkeys(p.category for p in points))
     return ModelFitReport(
@@ -543,6 +779,8 @@ def _report(
             for c in categories
             for b in config.batches
         ],
+        served=served,
+        backend_routing=backend_routing,
     )
 
 
@@ -568,7 +806,8 @@ def _group(name: str, points: list[FitPoint]) -> ErrorGroup:
 
 def _predictor_fit(prompts: list[PromptFit], profile: Profile, drafter: str) -> list[PredictorFit]:
     """The predictor's error per prompt with evidence (α: judged tokens; ρ: steps that asked),
-    beside the profile's category mean and its mean over every category (a constant)."""
+    beside the profile's category mean, its mean over every category (a constant), and the
+    answer's second half against its first (prompts with evidence in both)."""
     name = profile.drafter(drafter).name
     rows = [a for a in profile.acceptance if a.drafter == name]
     constants = {
@@ -582,23 +821,34 @@ def _predictor_fit(prompts: list[PromptFit], profile: Profile, drafter: str) -> 
             continue
         errors = {
             "predictor": [abs(getattr(p, f"{target}_predicted") - getattr(p, target)) for p in evidence],
+            "online": [abs(getattr(p, f"{target}_online") - getattr(p, target)) for p in evidence],
             "category": [abs(getattr(p, f"{target}_category") - getattr(p, target)) for p in evidence],
             "constant": [abs(constant - getattr(p, target)) for p in evidence],
         }
         weights = [_evidence(p, target) for p in evidence]
+        both = [p for p in evidence if _evidence(p, target, rest=True)]
+        halves = [abs(getattr(p, f"{target}_rest") - getattr(p, target)) for p in both]
+        halves_weights = [min(_evidence(p, target), _evidence(p, target, rest=True)) for p in both]
         fits.append(
             PredictorFit(
                 target=target,
                 prompts=len(evidence),
                 **{f"mae_{name}": _mean(e) for name, e in errors.items()},
                 **{f"weighted_mae_{name}": _weighted_mean(e, weights) for name, e in errors.items()},
+                halves_prompts=len(both),
+                mae_halves=_mean(halves) if both else None,
+                weighted_mae_halves=_weighted_mean(halves, halves_weights) if both else None,
             )
         )
     return fits
 
 
-def _evidence(prompt: PromptFit, target: str) -> int:
-    return prompt.judged_tokens if target == "alpha" else prompt.requested_steps
+def _evidence(prompt: PromptFit, target: str, rest: bool = False) -> int:
+    """What a prompt's measured α (judged tokens) or ρ (steps that asked) rests on, in its
+    answer's first half or (`rest`) its second."""
+    if target == "alpha":
+        return prompt.judged_tokens_rest if rest else prompt.judged_tokens
+    return prompt.requested_steps_rest if rest else prompt.requested_steps
 
 
 def _weighted_mean(values: Sequence[float], weights: Sequence[int]) -> float:
@@ -719,23 +969,50 @@ def render_model_fit(report: ModelFitReport) -> str:
             f"{_batch(be.predicted_scan, top * 4):>12}"
         )
     if report.predictor:
-        lines += [
-            "",
-            f"per-prompt predictor ({c.prompt_set} prompts, α and ρ over every cell each ran in), mean absolute error:",
-            "(weighted: each prompt by its evidence, judged tokens for α and steps that asked for ρ)",
-            f"  {'':14} {'prompts':>7} {'predictor':>9} {'category mean':>13} {'constant':>8} {'weighted:':>10} "
-            f"{'predictor':>9} {'category mean':>13} {'constant':>8}",
-        ]
-        for f in report.predictor:
-            name = "α" if f.target == "alpha" else "ρ"
-            lines.append(
-                f"  {name:14} {f.prompts:>7} {f.mae_predictor:9.3f} {f.mae_category:13.3f} {f.mae_constant:8.3f} "
-                f"{'':>10} {f.weighted_mae_predictor:9.3f} {f.weighted_mae_category:13.3f} "
-                f"{f.weighted_mae_constant:8.3f}"
-            )
+        lines += ["", *_predictor_lines(report)]
+    if report.served:
+        lines += ["", *_served_lines(report)]
     if report.routing:
         lines += ["", *_routing_lines(report)]
     return "\n".join(lines)
+
+
+def _predictor_lines(report: ModelFitReport) -> list[str]:
+    c = report.config
+    per_category = "every" if c.predictor_prompts is None else f"{c.predictor_prompts} per category of the"
+    lines = [
+        f"per-prompt predictor ({per_category} {c.prompt_set} prompts, greedy at the profile's k, each answer's first "
+        "half as long as the profile's answers), mean absolute error:",
+        "(online: predicted after the prompts before it fed back what they achieved, as the router learns; halves: "
+        "the answer's second half against its first, what no prediction before decoding can be expected to beat; "
+        "weighted: each prompt by its evidence, judged tokens for α and steps that asked for ρ)",
+        f"  {'':12} {'prompts':>7} {'predictor':>9} {'online':>6} {'category mean':>13} {'constant':>8} {'halves':>6}",
+    ]
+    for weighted in (False, True):
+        for f in report.predictor:
+            name = ("α" if f.target == "alpha" else "ρ") + (" weighted" if weighted else "")
+            w = "weighted_" if weighted else ""
+            predictor, online, category, constant, halves = (
+                getattr(f, f"{w}mae_{of}") for of in ("predictor", "online", "category", "constant", "halves")
+            )
+            lines.append(
+                f"  {name:12} {f.prompts:>7} {predictor:9.3f} {online:6.3f} {category:13.3f} {constant:8.3f} "
+                f"{_number(halves, 6, 3)}"
+            )
+    return lines
+
+
+def _served_lines(report: ModelFitReport) -> list[str]:
+    lines = [
+        "the speculative backend as served (k chosen per step), measured beside the same plain runs:",
+        f"  {'category':14} {'b':>3} {'spec t/s':>8} {'measured':>8} {'mean k':>6} {'α':>5} {'ρ':>5}  same",
+    ]
+    for p in report.served:
+        lines.append(
+            f"  {p.category:14} {p.batch:>3} {p.tokens_per_s:8.1f} {p.measured:7.2f}× {p.mean_k:6.2f} "
+            f"{p.alpha:5.2f} {p.proposal_rate:5.2f}  {'yes' if p.identical else 'NO'}"
+        )
+    return lines
 
 
 def _groups(title: str, groups: list[ErrorGroup]) -> list[str]:
@@ -752,13 +1029,30 @@ def _groups(title: str, groups: list[ErrorGroup]) -> list[str]:
 
 
 def _routing_lines(report: ModelFitReport) -> list[str]:
-    cells = len(report.routing)
-    lines = [
-        f"routing on a prediction (plain or speculation at the k predicted best) in {cells} cells: "
-        f"wrong (measured ≥ {WRONG_IF_SLOWER:.0%} slower than the fastest option) in "
+    lines = []
+    if report.backend_routing:
+        lines += [
+            f"routing on a prediction to a backend (the policy's decide(): speculative, as served, or plain) in "
+            f"{len(report.backend_routing)} cells: wrong (measured ≥ {WRONG_IF_SLOWER:.0%} slower than the other) in "
+            f"{report.wrong_backend_share('predicted'):.0%} with the predictor's α, "
+            f"{report.wrong_backend_share('profile'):.0%} with the profile's, {report.wrong_backend_share('run'):.0%} "
+            "with the run's",
+        ]
+        for b in report.backend_routing:
+            if max(b.loss.values()) >= WRONG_IF_SLOWER:
+                lines.append(
+                    f"  {b.category:14} b={b.batch:<3} served speculation {b.served:.2f}× plain: "
+                    + ", ".join(
+                        f"{source}'s α chose {b.chosen[source]} ({b.loss[source]:.0%} slower)"
+                        for source in ALPHA_SOURCES
+                    )
+                )
+    lines.append(
+        f"choosing k too (plain or speculation at the k predicted best) in {len(report.routing)} cells: wrong "
+        f"(measured ≥ {WRONG_IF_SLOWER:.0%} slower than the fastest option) in "
         f"{report.wrong_share('predicted'):.0%} with the predictor's α, {report.wrong_share('profile'):.0%} with "
-        f"the profile's, {report.wrong_share('run'):.0%} with the run's",
-    ]
+        f"the profile's, {report.wrong_share('run'):.0%} with the run's"
+    )
     for r in report.routing:
         if max(r.loss_predicted, r.loss_profile, r.loss_run) >= WRONG_IF_SLOWER:
             lines.append(

@@ -265,6 +265,12 @@ def _add_model_fit_args(parser: argparse.ArgumentParser) -> None:
         help="prompts run: the held-out set (neither the profile nor the predictor saw it; default) or the project's",
     )
     parser.add_argument("--repeats", type=int, default=2, help="runs of every engine per batch (the fastest counts)")
+    parser.add_argument(
+        "--predictor-prompts",
+        type=int,
+        default=None,
+        help="prompts per category whose answers score the α/ρ predictor (default: every prompt of the set; 0: none)",
+    )
     _add_drafter_args(parser)
     parser.add_argument("--out", default="bench-model-fit.json", help="where the JSON results go ('-' for none)")
     parser.add_argument("--json", action="store_true", help="print the JSON instead of the tables")
@@ -732,6 +738,7 @@ def run_bench_model_fit(args: argparse.Namespace) -> int:
         prompts_per_category=args.prompts,
         prompt_set=args.prompt_set,
         repeats=args.repeats,
+        predictor_prompts=args.predictor_prompts,
     )
     _quiet_model_loading()
     report = run_model_fit(config)

@@ -2,15 +2,25 @@
 
 import pytest
 
+from backends.generation import GenerationResult
+from backends.speculative.stats import SpeculationStats
 from profiler.bench_model_fit import (
+    PLAIN,
+    SERVED,
     FitPoint,
     ModelFitConfig,
     PromptFit,
+    ServedPoint,
+    _backend_routing,
     _break_even,
+    _Cell,
     _group,
+    _Outlook,
     _predictor_fit,
+    _prompt_fit,
     _routing,
     _steps,
+    _wrong_share,
 )
 from tests.policies.profiles import synthetic_profile
 
@@ -89,10 +99,16 @@ def test_the_predictor_is_scored_per_prompt_beside_the_category_mean_and_a_const
             proposal_rate=0.9,
             judged_tokens=50,
             requested_steps=20,
+            alpha_rest=0.9,
+            proposal_rate_rest=0.5,
+            judged_tokens_rest=10,
+            requested_steps_rest=40,
             alpha_predicted=0.6,
             proposal_rate_predicted=1.0,
             alpha_category=0.8,
             proposal_rate_category=1.0,
+            alpha_online=0.75,
+            proposal_rate_online=0.8,
         ),
         PromptFit(
             category="prose",
@@ -102,10 +118,16 @@ def test_the_predictor_is_scored_per_prompt_beside_the_category_mean_and_a_const
             proposal_rate=0.0,
             judged_tokens=0,  # never proposed: evidence for ρ, none for α
             requested_steps=60,
+            alpha_rest=0.0,
+            proposal_rate_rest=0.0,
+            judged_tokens_rest=0,
+            requested_steps_rest=0,  # the answer ended in its first half: no second half to compare
             alpha_predicted=0.2,
             proposal_rate_predicted=0.3,
             alpha_category=0.1,
             proposal_rate_category=1.0,
+            alpha_online=0.2,
+            proposal_rate_online=0.1,
         ),
     ]
     alpha, rho = _predictor_fit(fits, profile, "ngram")
@@ -118,3 +140,89 @@ def test_the_predictor_is_scored_per_prompt_beside_the_category_mean_and_a_const
     assert alpha.weighted_mae_predictor == pytest.approx(0.1)
     assert rho.weighted_mae_predictor == pytest.approx((0.1 * 20 + 0.3 * 60) / 80)
     assert rho.weighted_mae_category == pytest.approx((0.1 * 20 + 1.0 * 60) / 80)
+    assert alpha.mae_online == pytest.approx(0.05) and rho.mae_online == pytest.approx((0.1 + 0.1) / 2)
+    # The answer's halves: only prompts with evidence in both, weighted by the smaller half's.
+    assert alpha.halves_prompts == 1 and alpha.mae_halves == pytest.approx(0.2)
+    assert rho.halves_prompts == 1 and rho.mae_halves == pytest.approx(0.4) == rho.weighted_mae_halves
+
+
+def stats(judged: int, accepted: int, requested: int, drafts: int) -> SpeculationStats:
+    return SpeculationStats(
+        drafter="ngram",
+        k_mode="8",
+        judged_tokens=judged,
+        accepted_tokens=accepted,
+        requested_steps=requested,
+        drafts=drafts,
+    )
+
+
+def result(speculation: SpeculationStats) -> GenerationResult:
+    return GenerationResult(
+        text="",
+        token_ids=[],
+        finish_reason="length",
+        prompt_tokens=120,
+        completion_tokens=64,
+        ttft_s=0.1,
+        tpot_s=0.01,
+        seed=0,
+        speculation=speculation,
+    )
+
+
+def test_a_prompts_answer_is_split_into_its_halves():
+    profile = synthetic_profile()
+    measured = profile.acceptance_for("copy", "ngram")
+    first, whole = result(stats(40, 30, 20, 10)), result(stats(100, 45, 60, 40))
+    fit = _prompt_fit("copy", "a", first, whole, (0.7, 0.6), measured, (0.72, 0.65))
+    assert (fit.alpha, fit.proposal_rate, fit.judged_tokens, fit.requested_steps) == (0.75, 0.5, 40, 20)
+    assert (fit.alpha_rest, fit.judged_tokens_rest) == (pytest.approx(15 / 60), 60)
+    assert (fit.proposal_rate_rest, fit.requested_steps_rest) == (pytest.approx(30 / 40), 40)
+    assert (fit.alpha_predicted, fit.proposal_rate_predicted, fit.alpha_category) == (0.7, 0.6, measured.alpha)
+    assert (fit.alpha_online, fit.proposal_rate_online) == (0.72, 0.65)
+    # A step straddling the halves can give the second half more accepted than judged: clipped.
+    straddling = _prompt_fit("copy", "a", first, result(stats(42, 33, 21, 11)), (0.7, 0.6), measured, (0.7, 0.6))
+    assert straddling.alpha_rest == 1.0 and straddling.proposal_rate_rest == 1.0
+    ended = _prompt_fit("copy", "a", first, first, (0.7, 0.6), measured, (0.7, 0.6))  # EOS in the first half
+    assert ended.judged_tokens_rest == ended.requested_steps_rest == 0 and ended.alpha_rest == 0.0
+
+
+def cells(served: float, alpha: float) -> dict[str, _Cell]:
+    """A cell's engines: plain at 10 tokens/s, the served speculative backend `served` × that, and
+    one fixed-k engine whose rows achieved `alpha` on every step."""
+    return {
+        PLAIN: _Cell(tokens=40, seconds=4.0),
+        SERVED: _Cell(tokens=40, seconds=4.0 / served),
+        "k=2": _Cell(tokens=40, seconds=4.0, prompt_stats=[(0, stats(100, round(100 * alpha), 50, 50))]),
+    }
+
+
+def test_a_backend_is_routed_by_the_policy_and_wrong_only_when_it_measured_slower():
+    profile = synthetic_profile()  # ngram nearly free; the profile's 'copy' α 0.8
+    config = ModelFitConfig(batches=[1], ks=[2], drafter="ngram")
+    outlook = _Outlook(category="copy", context=100.0, tokens=[80], alphas=[0.85], rhos=[1.0])
+    served = ServedPoint(
+        category="copy",
+        batch=1,
+        tokens_per_s=15.0,
+        measured=1.5,
+        alpha=0.8,
+        proposal_rate=1.0,
+        mean_k=4,
+        identical=True,
+    )
+    route = _backend_routing(served, cells(1.5, 0.05), outlook, profile, "ngram", config)
+    assert route.best == "speculative" and route.served == 1.5
+    assert route.chosen["predicted"] == route.chosen["profile"] == "speculative"
+    assert route.loss["predicted"] == route.loss["profile"] == 0.0
+    # The fixed-k runs accepted 5%: the policy would not speculate on that, and plain measured 1/1.5.
+    assert route.chosen["run"] == "plain" and route.loss["run"] == pytest.approx(1 - 1 / 1.5)
+    # Within WRONG_IF_SLOWER of each other, either backend is right.
+    tie = _backend_routing(
+        served.model_copy(update={"measured": 1.03}), cells(1.03, 0.05), outlook, profile, "ngram", config
+    )
+    assert tie.best == "speculative" and tie.chosen["run"] == "plain"
+    assert _wrong_share(list(tie.loss.values())) == 0.0 and _wrong_share(list(route.loss.values())) == pytest.approx(
+        1 / 3
+    )

@@ -272,6 +272,7 @@ def test_model_fit_sets_measured_against_predicted(profile_path):
         batches=[1, 2],
         max_tokens=8,
         prompts_per_category=1,
+        predictor_prompts=1,
     )
     report = run_model_fit(config, progress=False)
     assert [(p.batch, p.k) for p in report.points] == [(1, 1), (1, 3), (2, 1), (2, 3)]
@@ -289,9 +290,20 @@ def test_model_fit_sets_measured_against_predicted(profile_path):
     assert [g.name for g in report.by_batch] == ["b=1", "b=2"] and report.by_category[0].cells == 4
     assert [f.target for f in report.predictor] == ["alpha", "proposal_rate"]
     assert [(r.category, r.batch) for r in report.routing] == [("summarization", 1), ("summarization", 2)]
+    # The speculative backend as served (auto k) beside plain, and the policy's backend per prediction.
+    assert [(s.batch, s.identical) for s in report.served] == [(1, True), (2, True)]
+    for served, route in zip(report.served, report.backend_routing, strict=True):
+        assert route.served == served.measured and route.best in ("speculative", "plain")
+        assert set(route.chosen) == {"predicted", "profile", "run"} and all(0 <= x < 1 for x in route.loss.values())
+    # The predictor is scored on answers as long as the profile's, and their second halves.
+    fit = report.prompts[0]
+    assert fit.judged_tokens + fit.judged_tokens_rest > 0 and 0 <= fit.alpha_rest <= 1
+    assert fit.requested_steps + fit.requested_steps_rest <= 2 * SMALL.max_tokens
+    assert (fit.alpha_online, fit.proposal_rate_online) == (fit.alpha_predicted, fit.proposal_rate_predicted)  # first
     text = render_model_fit(report)
     assert f"mean absolute percentage error: {report.mape:.1f}% (prediction from the run's α)" in text
-    assert "per-prompt predictor (heldout prompts" in text and "routing on a prediction" in text
+    assert "per-prompt predictor (1 per category of the heldout prompts" in text
+    assert "the speculative backend as served" in text and "routing on a prediction to a backend" in text
     first = report.points[0]
     row = next(line for line in text.splitlines() if line.split()[:3] == ["summarization", "1", "1"])
     assert f"{first.measured:.2f}×" in row and f"{first.predicted:.2f}×" in row and row.endswith("yes")
