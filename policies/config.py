@@ -151,6 +151,13 @@ class BottleneckConfig(_Section):
             "b**elasticity (d log t / d log b >= this); 0 would call any growth compute-bound, 1 only linear growth."
         ),
     )
+    skip_speculation_when_compute_bound: bool = Field(
+        False,
+        description=(
+            "true: never speculate where decode is compute-bound. false: speculate there too when the cost model, "
+            "which prices the wider verify pass at this load (v(b, k)), still predicts speculation.min_speedup."
+        ),
+    )
 
 
 class PolicyConfig(_Section):

@@ -220,8 +220,8 @@ def _speculation_stage(
     )
     if spec.max_concurrency is not None and b >= spec.max_concurrency:
         reasons.append(f"speculation: {numbers}, policy: speculate below concurrency {spec.max_concurrency}")
-    elif bottleneck == "compute":
-        reasons.append(f"speculation: {numbers}; skipped: decode is compute-bound at this load")
+    elif bottleneck == "compute" and config.bottleneck.skip_speculation_when_compute_bound:
+        reasons.append(f"speculation: {numbers}; skipped: decode is compute-bound at this load (policy)")
     elif best.speedup < spec.min_speedup:
         reasons.append(f"speculation: {numbers} < {spec.min_speedup:g}× required → do not speculate")
     else:

@@ -620,8 +620,10 @@ def _backend_routing(
     config: ModelFitConfig,
 ) -> BackendRouting:
     """Where the policy sends the cell's requests from each prediction of α and ρ (the mean over the
-    cell's prompts; "run": what the fixed-k engines measured), against the backend measured faster."""
-    measured = {SPECULATIVE: served.measured, PLAIN: 1.0}
+    cell's prompts; "run": what the fixed-k engines measured), against the backend measured faster.
+    A served backend that verified no draft in the cell ran plain decoding's very passes: what its
+    time differs by is noise, and either backend is right."""
+    measured = {SPECULATIVE: served.measured if served.mean_k > 0 else 1.0, PLAIN: 1.0}
     best = max(measured, key=lambda backend: (measured[backend], backend == PLAIN))
     run = SpeculationStats.combined([s for name, cell in cells.items() if name.startswith("k=") for s in cell.stats])
     category = profile.acceptance_for(outlook.category, drafter)

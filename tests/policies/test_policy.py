@@ -44,6 +44,18 @@ def test_high_load_goes_to_the_large_batch_backend():
     assert any(r.startswith("batching: the large-batch plain backend") for r in decision.reasons)
 
 
+def test_compute_bound_decode_still_speculates_where_the_cost_model_says_it_pays():
+    # At 32 sequences a step grows as b^0.53 (compute-bound), but with α 0.95 drafts pay for the
+    # wider verify pass, v(b, k), that the cost model prices at this load.
+    decision = decide(features("copy", ngram=0.95), load(32), synthetic_profile(), policy())
+    assert (decision.bottleneck, decision.backend, decision.stage) == ("compute", "speculative", "speculation")
+    assert decision.chosen().speedup > 1.1 and decision.chosen().v > 1.5
+    strict = policy(bottleneck={"skip_speculation_when_compute_bound": True})
+    skipped = decide(features("copy", ngram=0.95), load(32), synthetic_profile(), strict)
+    assert (skipped.backend, skipped.stage) == ("plain", "batching")
+    assert any("skipped: decode is compute-bound at this load (policy)" in r for r in skipped.reasons)
+
+
 @pytest.mark.parametrize("concurrency", [1, 2, 4, 8, 16, 32, 64])
 def test_low_alpha_never_speculates(concurrency):
     decision = decide(features("prose"), load(concurrency), synthetic_profile(), policy())
@@ -136,22 +148,24 @@ def test_above_the_floor_a_faster_quantized_backend_serves_at_any_load():
     assert "quality 99.0% ≥ floor 95.0%" in reason and "faster per token" in reason
 
 
+# At 64 sequences the cost model predicts speculation on 'copy' short of min_speedup (at 32, still 1.17×):
+# plain is what stands before the quantization stage.
 def test_quantization_is_off_when_the_config_says_so():
     config = policy(quantization={"enabled": False})
-    decision = decide(features("copy"), load(32), synthetic_profile(quantized_agreement=0.97), config)
+    decision = decide(features("copy"), load(64), synthetic_profile(quantized_agreement=0.97), config)
     assert decision.backend == "plain"
     assert "quantization: disabled by the policy" in decision.reasons
 
 
 def test_quantization_below_the_quality_floor_is_refused():
-    decision = decide(features("copy"), load(32), synthetic_profile(quantized_agreement=0.60), policy())
+    decision = decide(features("copy"), load(64), synthetic_profile(quantized_agreement=0.60), policy())
     assert decision.backend == "plain"
     assert any("< floor 95.0%" in r for r in decision.reasons)
 
 
 def test_quantization_must_be_predicted_to_win():
     slower = synthetic_profile(quantized_agreement=0.99, quantized_speed=1.2)
-    decision = decide(features("copy"), load(32), slower, policy())
+    decision = decide(features("copy"), load(64), slower, policy())
     assert decision.backend == "plain"
     assert any("required" in r for r in decision.reasons if r.startswith("quantization"))
 

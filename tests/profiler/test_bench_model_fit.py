@@ -223,6 +223,9 @@ def test_a_backend_is_routed_by_the_policy_and_wrong_only_when_it_measured_slowe
         served.model_copy(update={"measured": 1.03}), cells(1.03, 0.05), outlook, profile, "ngram", config
     )
     assert tie.best == "speculative" and tie.chosen["run"] == "plain"
+    # A served backend that verified no draft ran plain's passes: its 18% is noise, and plain is not wrong.
+    silent = served.model_copy(update={"measured": 1.18, "mean_k": 0.0})
+    assert _backend_routing(silent, cells(1.18, 0.05), outlook, profile, "ngram", config).loss["run"] == 0.0
     assert _wrong_share(list(tie.loss.values())) == 0.0 and _wrong_share(list(route.loss.values())) == pytest.approx(
         1 / 3
     )

@@ -14,10 +14,11 @@ import pytest
 
 from tests.policies.profiles import synthetic_profile
 
-# Decode turns 'compute-bound' from ~8 sequences in flight, so a modest burst moves work to plain.
+# Decode turns 'compute-bound' from ~8 sequences in flight, where this policy stops speculating, so a
+# modest burst moves work to plain.
 POLICY: dict[str, Any] = {
     "speculation": {"drafters": ["ngram"]},
-    "bottleneck": {"compute_bound_elasticity": 0.2},
+    "bottleneck": {"compute_bound_elasticity": 0.2, "skip_speculation_when_compute_bound": True},
 }
 PORT = 8431
 
