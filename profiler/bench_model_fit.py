@@ -46,7 +46,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 from tqdm import tqdm
 
 from backends.generation import GenerationRequest, GenerationResult
@@ -82,6 +82,7 @@ SERVED = "served"  # the speculative backend as the service runs it: k chosen pe
 SPECULATIVE = "speculative"
 AlphaSource = Literal["predicted", "profile", "run"]
 ALPHA_SOURCES: tuple[AlphaSource, ...] = ("predicted", "profile", "run")
+SOURCE_NAMES: dict[AlphaSource, str] = {"predicted": "the predictor's", "profile": "the profile's", "run": "the run's"}
 MAX_STEP_TOKENS = 65536  # the step loop's largest step: every row's whole prompt at once
 WRONG_IF_SLOWER = 0.05  # a routing choice is wrong when what it picked measured this much slower than the best
 
@@ -93,7 +94,12 @@ class ModelFitConfig(ModelSettings):
     categories: list[str] | None = None
     ks: list[int] = Field(default_factory=lambda: [1, 2, 4, 8], min_length=1)
     batches: list[int] = Field(default_factory=lambda: [1, 2, 4, 8, 16], min_length=1)
-    max_tokens: int = Field(40, ge=4, le=1024)
+    max_tokens: int = Field(
+        64,
+        ge=4,
+        le=1024,
+        description="tokens per row; the timed window ends where a row has no room for max(ks) drafts",
+    )
     prompts_per_category: int = Field(2, ge=1)
     repeats: int = Field(
         2, ge=1, le=10, description="runs of every engine per batch, the fastest kept (as the profile keeps its best)"
@@ -115,6 +121,19 @@ class ModelFitConfig(ModelSettings):
         if values != sorted(set(values)) or values[0] < 1:
             raise ValueError(f"must be positive and strictly increasing (got {values})")
         return values
+
+    @model_validator(mode="after")
+    def _room_for_whole_steps(self) -> ModelFitConfig:
+        # The first step gives a row up to k + 2 tokens (its first, then a step of drafts); the window
+        # then needs rows with room for a whole step of max(ks) drafts and their bonus token, at
+        # least twice to say anything.
+        least = 3 * (max(self.ks) + 1) + 1
+        if self.max_tokens < least:
+            raise ValueError(
+                f"max_tokens must be at least {least} with k up to {max(self.ks)} (got {self.max_tokens}): the timed "
+                "window runs while every row has room for a whole step of drafts"
+            )
+        return self
 
 
 class FitPoint(BaseModel):
@@ -307,9 +326,9 @@ def run_model_fit(config: ModelFitConfig, progress: bool = True) -> ModelFitRepo
             GenerationRequest(messages=p.messages, max_tokens=config.max_tokens, ignore_eos=True) for p in prompts
         ]
         if batch not in warmed:
-            _warm_up(engines, requests, batch)
+            _warm_up(engines, requests, batch, max(config.ks))
             warmed.add(batch)
-        measured = _measure_cell(engines, requests, batch, order, config.repeats)
+        measured = _measure_cell(engines, requests, batch, order, max(config.ks), config.repeats)
         outlook = outlooks.of(prompts, requests, plain, predictors, drafter.name, category, config.max_tokens)
         points += _fit_points(category, batch, config, measured, profile, drafter.name, outlook)
         served.append(_served_point(category, batch, measured))
@@ -439,8 +458,10 @@ class _Rotation:
         return self.names[shift:] + self.names[:shift]
 
 
-def _warm_up(engines: dict[str, Scheduler], requests: list[GenerationRequest], batch: int) -> None:
-    short = [r.model_copy(update={"max_tokens": 4}) for r in _cycle(requests, batch)]
+def _warm_up(engines: dict[str, Scheduler], requests: list[GenerationRequest], batch: int, k_max: int) -> None:
+    """Every engine once at this batch, untimed, for long enough to run its widest verify passes (the
+    first pass of a new shape sets up kernels and cache blocks)."""
+    short = [r.model_copy(update={"max_tokens": 2 * (k_max + 1)}) for r in _cycle(requests, batch)]
     for loop in engines.values():
         loop.generate(short)
 
@@ -450,12 +471,18 @@ def _cycle(requests: list[GenerationRequest], rows: int) -> list[GenerationReque
 
 
 def _measure_cell(
-    engines: dict[str, Scheduler], requests: list[GenerationRequest], batch: int, order: _Rotation, repeats: int = 1
+    engines: dict[str, Scheduler],
+    requests: list[GenerationRequest],
+    batch: int,
+    order: _Rotation,
+    k_max: int,
+    repeats: int = 1,
 ) -> dict[str, _Cell]:
     """Rows cycle the prompts up to a whole number of batches; each batch runs every engine back to
     back `repeats` times, rotating the order so drift on a noisy machine hits all of them alike, and
     each engine's fastest run counts (greedy: every run decodes the same tokens; a slow spell of the
-    machine spoils one run, not the figure)."""
+    machine spoils one run, not the figure). Every engine's window ends where a row no longer has
+    room for `k_max` drafts (`_full_batch`)."""
     cycled = _cycle(requests, batch * math.ceil(len(requests) / batch))
     cells = {name: _Cell() for name in engines}
     for start in range(0, len(cycled), batch):
@@ -463,7 +490,7 @@ def _measure_cell(
         runs: dict[str, list[tuple[int, float, list[list[int]], list[SpeculationStats | None]]]] = {}
         for _ in range(repeats):
             for name in order.next():
-                runs.setdefault(name, []).append(_full_batch(engines[name], chunk))
+                runs.setdefault(name, []).append(_full_batch(engines[name], chunk, k_max))
         for name, tries in runs.items():
             cell = cells[name]
             tokens, seconds, outputs, stats = max(tries, key=lambda run: run[0] / run[1])
@@ -477,14 +504,17 @@ def _measure_cell(
 
 
 def _full_batch(
-    loop: Scheduler, requests: list[GenerationRequest]
+    loop: Scheduler, requests: list[GenerationRequest], k_max: int
 ) -> tuple[int, float, list[list[int]], list[SpeculationStats | None]]:
-    """Decoding with every row in every pass, as the cost model assumes (a serving loop refills the
-    batch as requests finish): the first step prefills every row and decodes once, then the loop
-    steps until the first row has its max_tokens, and those steps' tokens and seconds are what
-    counts; the other rows are cancelled there. Without the cut, a static batch's last steps run
-    the rows that drew fewer accepted tokens nearly alone. Returns (tokens, seconds, each row's
-    tokens so far, each row's speculation statistics)."""
+    """Decoding with every row in every pass at full draft length, as the cost model assumes (a
+    serving loop refills the batch as requests finish): the first step prefills every row and
+    decodes once, then the loop steps while every row has room for a whole step of `k_max` drafts
+    and their bonus token, and those steps' tokens and seconds are what counts; the rows are
+    cancelled there. Running on, rows near their max_tokens draft fewer tokens (a step never
+    drafts past it): in a copy-heavy cell a handful of steps make up the whole window, and one
+    such short step took 10-20% off its rate; and a static batch's last steps run the rows that
+    drew fewer accepted tokens nearly alone. Returns (tokens, seconds, each row's tokens so far,
+    each row's speculation statistics)."""
     if loop.costs is not None:  # probes run before the clock starts
         loop.costs.ensure(len(requests))
     rows = [loop.submit(r) for r in requests]
@@ -493,7 +523,7 @@ def _full_batch(
         raise ProfileError(f"the step loop did not prefill all {len(rows)} rows in one step")
     before = sum(len(r.state.token_ids) for r in rows)
     started = time.perf_counter()
-    while not any(r.done for r in rows):
+    while min(r.state.request.max_tokens - len(r.state.token_ids) for r in rows) > k_max:
         loop.step()
     seconds = time.perf_counter() - started
     tokens = sum(len(r.state.token_ids) for r in rows) - before
@@ -981,7 +1011,7 @@ def render_model_fit(report: ModelFitReport) -> str:
 
 def _predictor_lines(report: ModelFitReport) -> list[str]:
     c = report.config
-    per_category = "every" if c.predictor_prompts is None else f"{c.predictor_prompts} per category of the"
+    per_category = "all" if c.predictor_prompts is None else f"{c.predictor_prompts} per category of the"
     lines = [
         f"per-prompt predictor ({per_category} {c.prompt_set} prompts, greedy at the profile's k, each answer's first "
         "half as long as the profile's answers), mean absolute error:",
@@ -1036,8 +1066,8 @@ def _routing_lines(report: ModelFitReport) -> list[str]:
         lines += [
             f"routing on a prediction to a backend (the policy's decide(): speculative, as served, or plain) in "
             f"{len(report.backend_routing)} cells: wrong (measured ≥ {WRONG_IF_SLOWER:.0%} slower than the other) in "
-            f"{report.wrong_backend_share('predicted'):.0%} with the predictor's α, "
-            f"{report.wrong_backend_share('profile'):.0%} with the profile's, {report.wrong_backend_share('run'):.0%} "
+            f"{report.wrong_backend_share('predicted'):.1%} with the predictor's α, "
+            f"{report.wrong_backend_share('profile'):.1%} with the profile's, {report.wrong_backend_share('run'):.1%} "
             "with the run's",
         ]
         for b in report.backend_routing:
@@ -1045,15 +1075,15 @@ def _routing_lines(report: ModelFitReport) -> list[str]:
                 lines.append(
                     f"  {b.category:14} b={b.batch:<3} served speculation {b.served:.2f}× plain: "
                     + ", ".join(
-                        f"{source}'s α chose {b.chosen[source]} ({b.loss[source]:.0%} slower)"
+                        f"{SOURCE_NAMES[source]} α chose {b.chosen[source]} ({b.loss[source]:.0%} slower)"
                         for source in ALPHA_SOURCES
                     )
                 )
     lines.append(
         f"choosing k too (plain or speculation at the k predicted best) in {len(report.routing)} cells: wrong "
         f"(measured ≥ {WRONG_IF_SLOWER:.0%} slower than the fastest option) in "
-        f"{report.wrong_share('predicted'):.0%} with the predictor's α, {report.wrong_share('profile'):.0%} with "
-        f"the profile's, {report.wrong_share('run'):.0%} with the run's"
+        f"{report.wrong_share('predicted'):.1%} with the predictor's α, {report.wrong_share('profile'):.1%} with "
+        f"the profile's, {report.wrong_share('run'):.1%} with the run's"
     )
     for r in report.routing:
         if max(r.loss_predicted, r.loss_profile, r.loss_run) >= WRONG_IF_SLOWER:

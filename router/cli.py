@@ -256,7 +256,9 @@ def _add_model_fit_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--categories", help="comma-separated categories (default: all)")
     parser.add_argument("--ks", default="1,2,4,8", help="comma-separated fixed k values")
     parser.add_argument("--batches", default="1,2,4,8,16", help="comma-separated batch sizes")
-    parser.add_argument("--max-tokens", type=int, default=40, help="tokens generated per row (EOS ignored)")
+    parser.add_argument(
+        "--max-tokens", type=int, default=64, help="tokens generated per row (EOS ignored; timed while each has room)"
+    )
     parser.add_argument("--prompts", type=int, default=2, help="prompts per category")
     parser.add_argument(
         "--prompt-set",

@@ -229,3 +229,9 @@ def test_a_backend_is_routed_by_the_policy_and_wrong_only_when_it_measured_slowe
     assert _wrong_share(list(tie.loss.values())) == 0.0 and _wrong_share(list(route.loss.values())) == pytest.approx(
         1 / 3
     )
+
+
+def test_rows_need_room_for_whole_steps_of_the_largest_k():
+    assert ModelFitConfig(ks=[2, 8], max_tokens=28).max_tokens == 28
+    with pytest.raises(ValueError, match="max_tokens must be at least 28 with k up to 8"):
+        ModelFitConfig(ks=[2, 8], max_tokens=27)

@@ -270,7 +270,7 @@ def test_model_fit_sets_measured_against_predicted(profile_path):
         categories=["summarization"],
         ks=[1, 3],
         batches=[1, 2],
-        max_tokens=8,
+        max_tokens=16,
         prompts_per_category=1,
         predictor_prompts=1,
     )
@@ -280,12 +280,12 @@ def test_model_fit_sets_measured_against_predicted(profile_path):
     for p in report.points:
         assert p.measured == pytest.approx(p.spec_tokens_per_s / p.plain_tokens_per_s)
         assert 0 <= p.alpha <= 1 and 0 <= p.proposal_rate <= 1
-        assert 1 / 3 < p.predicted / p.measured < 3  # loose: 8 tokens per row on a noisy machine
+        assert 1 / 3 < p.predicted / p.measured < 3  # loose: a few steps per row on a noisy machine
     assert math.isfinite(report.mape) and report.break_even[0].category == "summarization"
     # Held-out prompts, costs read at each cell's context, predictions from the predictor per prompt.
     held_out = load_prompt_set("heldout").categories["summarization"].prompts[0]
     assert [p.prompt_id for p in report.prompts] == [held_out.id] and report.prompts[0].prompt_tokens > 100
-    assert all(p.context == pytest.approx(report.prompts[0].prompt_tokens + 4) for p in report.points)
+    assert all(p.context == pytest.approx(report.prompts[0].prompt_tokens + 8) for p in report.points)
     assert all(p.predicted_prompt is not None and 0 <= (p.alpha_predicted or 0) <= 1 for p in report.points)
     assert [g.name for g in report.by_batch] == ["b=1", "b=2"] and report.by_category[0].cells == 4
     assert [f.target for f in report.predictor] == ["alpha", "proposal_rate"]
