@@ -85,6 +85,15 @@ DEFAULT_TILE_WIDTH = 9
 # are tiled — what keeps speculative output equal to plain output at batch 1.
 DEFAULT_TILE_MAX_ROWS = 1
 MIN_PREFILL_TOKENS = 16  # a step always prefills at least this much, however busy decoding is
+# A row whose proposals auto k keeps declining still verifies every Nth one (a probe), so the
+# acceptance map and the row's offset keep learning: without it, a map refitted on traffic that
+# copies nothing (chat) predicted ~0 for every later proposal, and a replica stopped speculating for
+# good, also on prompts that copy (seen in `bench model-fit`). N doubles after each rejected probe
+# up to PROBE_RARELY, so a row where drafts never pay widens few passes. A probe verifies as much
+# of the proposal as a pass of at most PROBE_COST 1-token passes holds: a whole draft where decode
+# is memory-bound (each judged position teaches), none where it is compute-bound (verifying rarely
+# pays there whatever the map says, and a probe would widen every row's pass).
+PROBE_EVERY, PROBE_RARELY, PROBE_COST = 8, 64, 1.3
 FailureListener = Callable[[BaseException], None]
 
 
@@ -144,6 +153,9 @@ class Row:
     rng: np.random.Generator  # Thompson draws of α for the planner
     on_failure: FailureListener | None
     offset: float = 0.0  # this request's correction to its drafter's acceptance map (logit scale)
+    declined: int = 0  # proposals in a row that auto k verified none of
+    probe_every: int = PROBE_EVERY  # the declined proposal that is probed anyway (backs off)
+    probing: bool = False  # this step verifies a probe
     seq: int = -1  # the target cache's sequence, once admitted
     computed: int = 0  # prompt tokens already in the cache
     cancelled: bool = False
@@ -540,9 +552,14 @@ class Scheduler:
         for outlook, d in zip(outlooks, drafts, strict=True):
             if outlook.drafter is not None:
                 drawn[outlook.drafter] = max(drawn.get(outlook.drafter, 0), len(d))
-        chosen = plan_step(outlooks, self._pass_seconds(rows), {}, self.k_max, drafted=drawn, spent_seconds=spent_s)
+        pass_s = self._pass_seconds(rows)
+        chosen = plan_step(outlooks, pass_s, {}, self.k_max, drafted=drawn, spent_seconds=spent_s)
+        probe = max((w for w in range(1, len(pass_s)) if pass_s[w] <= PROBE_COST * pass_s[0]), default=0)
         for b, (outlook, j) in enumerate(zip(outlooks, chosen, strict=True)):
-            if outlook.drafter is not None and j < len(drafts[b]):
+            if outlook.drafter is None:
+                continue
+            j = _explore(rows[b], j, probe)
+            if j < len(drafts[b]):
                 del drafts[b][j:]
                 predicted[b] = predicted[b][:j]
                 ks[b] = j
@@ -764,6 +781,9 @@ class Scheduler:
         """Each verified proposal's judged positions — the accepted ones and the first rejected
         one — teach its drafter's map and correct the request's own offset."""
         for row, d, f, p, n in zip(rows, drafts, features, predicted, accepted, strict=True):
+            if row.probing:  # an accepted probe says drafts pay here again; a rejected one, probe rarer
+                row.probing = False
+                row.probe_every = PROBE_EVERY if n else min(2 * row.probe_every, PROBE_RARELY)
             if row.drafter is None or not len(d) or len(p) < len(d):
                 continue
             judged = min(n + 1, len(d))
@@ -912,6 +932,22 @@ def seeded_step_costs(
         if b & (b - 1) == 0:  # the table is keyed by power-of-two buckets
             costs.target_s.update({(b, w): s for w, s in zip(curve.widths, row, strict=True)})
     return costs
+
+
+def _explore(row: Row, verified: int, probe: int) -> int:
+    """How many drafted tokens a row verifies once auto k chose `verified`: a proposal declined
+    outright counts towards the next probe, which verifies up to `probe` of them (none: probes
+    wait for cheaper passes). The choice reads only counts of earlier steps and the pass costs,
+    never this proposal's tokens, so it is a stopping rule like auto k's and the output stays
+    exactly the target's."""
+    if verified:
+        row.declined, row.probe_every = 0, PROBE_EVERY
+        return verified
+    row.declined += 1
+    if row.declined < row.probe_every or not probe:
+        return 0
+    row.declined, row.probing = 0, True
+    return probe
 
 
 def seeded_draft_costs(profile: Profile | None, names: list[str], max_batch: int) -> dict[str, DraftCosts]:

@@ -32,6 +32,10 @@ OFFSET_RATE = 0.3  # how far one judged position moves it
 REFIT_FIRST = 64  # judged positions before the engine fits a map of its own
 REFIT_EVERY = 256
 BUFFER = 8192  # the most recent judged positions the engine keeps to refit on
+# A refit needs this many judged positions of each outcome: traffic that was (nearly) all rejected
+# — chat, where prompt lookup finds little to copy — cannot tell good proposals from bad, and a map
+# fitted on it predicted ~0 for every later proposal, code and summaries too (`bench model-fit`).
+MIN_OUTCOMES = 16
 
 
 def confidence_features(top: np.ndarray, entropy: np.ndarray, position: int) -> np.ndarray:
@@ -151,6 +155,7 @@ class AcceptancePredictor:
         self.groups: deque[int] = deque(maxlen=BUFFER)
         self.judged = 0
         self._fitted_at = 0
+        self._skipped_at = 0  # judged positions when a refit last found too few of an outcome
         # (prediction as used, outcome) of recent judged positions: the map's live calibration.
         self.scored: deque[tuple[float, float]] = deque(maxlen=BUFFER)
 
@@ -173,7 +178,13 @@ class AcceptancePredictor:
             self.refit()
 
     def refit(self) -> None:
-        fitted = fit_map(self.drafter, self.features, np.stack(self.x), np.asarray(self.y))
+        """The map from the judged positions kept, unless they hold fewer than MIN_OUTCOMES of
+        either outcome: then the map in use stays until the next refit is due."""
+        y = np.asarray(self.y)
+        if min(y.sum(), len(y) - y.sum()) < MIN_OUTCOMES:
+            self._skipped_at = self.judged
+            return
+        fitted = fit_map(self.drafter, self.features, np.stack(self.x), y)
         self.map = fitted
         self._coef, self._intercept = np.asarray(fitted.coef, dtype=float), fitted.intercept
         self._fitted_at = self.judged
@@ -200,7 +211,8 @@ class AcceptancePredictor:
         own = len(self.y)
         if own < max(REFIT_FIRST, self.map.samples if self._fitted_at == 0 else 0):
             return False
-        return self._fitted_at == 0 or self.judged - self._fitted_at >= REFIT_EVERY
+        last = max(self._fitted_at, self._skipped_at)
+        return last == 0 or self.judged - last >= REFIT_EVERY
 
 
 def refine_offset(offset: float, predicted: np.ndarray, accepted: Sequence[float]) -> float:

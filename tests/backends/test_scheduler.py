@@ -12,11 +12,13 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from backends import scheduler as scheduler_module
 from backends.errors import RequestError
 from backends.generation import GenerationRequest, GenerationResult
 from backends.plain import PlainEngine
 from backends.sampling import SamplingParams, target_probs
 from backends.scheduler import LoopSettings, Scheduler
+from backends.speculative.acceptance import NGRAM_FEATURES, constant_map
 from backends.speculative.control import DraftCosts, StepCosts
 from backends.speculative.drafters import Drafter, DraftRow, ModelDrafter, NgramDrafter
 from backends.speculative.factory import build_drafter
@@ -317,6 +319,31 @@ def test_the_speculative_loop_turns_into_a_plain_batcher_when_the_batch_is_compu
     assert max(alone.speculation.k_history) > 0  # alone, drafting pays
     assert all(k == 0 for r in crowd for k in r.speculation.k_history)  # 16 rows: every step a plain step
     assert sum(r.speculation.declined_tokens for r in crowd) > 0  # the free drafter proposed all the same
+
+
+@pytest.mark.slow
+def test_a_map_that_expects_nothing_is_still_probed_and_the_tokens_stay_plain_decodings(loaded, monkeypatch):
+    """A drafter's map that predicts ~0 for every proposal makes auto k decline them all, and with
+    nothing verified nothing would ever correct it: every 8th declined proposal is verified anyway
+    where a wide pass is cheap (here every width), and the tokens stay plain decoding's."""
+    text = "red green blue red green blue red green blue red green blue"
+    flat = _costs(lambda batch, width: 0.05 * (1 + 0.02 * (width - 1)))
+    hopeless = constant_map("ngram", NGRAM_FEATURES, 0.001, samples=10**6)  # too many to be refitted here
+
+    def run() -> GenerationResult:
+        drafter = lookup(ngram_max=3, ngram_min=1)
+        scheduler = Scheduler(
+            loaded, LoopSettings(), [drafter], "auto", costs=flat, acceptance_maps={"ngram": hopeless}
+        )
+        return scheduler.generate([_request(48, text)])[0]
+
+    probed = run()
+    monkeypatch.setattr(scheduler_module, "_explore", lambda row, verified, probe: verified)
+    stuck = run()
+    assert all(k == 0 for k in stuck.speculation.k_history) and stuck.speculation.declined_tokens > 0
+    probes = [k for k in probed.speculation.k_history if k]
+    assert len(probes) >= 3 and probed.speculation.accepted_tokens > 0
+    assert probed.token_ids == stuck.token_ids
 
 
 def test_auto_k_asks_a_drafter_that_costs_more_than_it_saves_for_nothing(tiny_target, monkeypatch):

@@ -4,7 +4,9 @@ import pytest
 from backends.speculative.acceptance import (
     BUFFER,
     CONFIDENCE_FEATURES,
+    MIN_OUTCOMES,
     OFFSET_LIMIT,
+    REFIT_EVERY,
     REFIT_FIRST,
     AcceptancePredictor,
     confidence_features,
@@ -65,6 +67,20 @@ def test_the_loop_fits_its_own_map_once_it_has_judged_enough_and_keeps_a_given_o
     predictor.learn(x[1999:2100], y[1999:2100], group=2)
     assert predictor.map is not given and predictor.map.samples == 1100
     assert len(predictor.x) <= BUFFER
+
+
+def test_traffic_of_one_outcome_does_not_replace_the_map():
+    """Positions that were all rejected (traffic with nothing to copy) cannot tell proposals apart:
+    the map in use stays; once both outcomes are there in numbers, the loop fits its own."""
+    x, y, _ = _synthetic(2000, seed=2)
+    given = fit_map("d", CONFIDENCE_FEATURES, x[:64], y[:64])
+    predictor = AcceptancePredictor("d", CONFIDENCE_FEATURES, given)
+    predictor.learn(x[64:400], np.zeros(336), group=1)
+    assert predictor.map is given
+    rejected_then_mixed = np.concatenate([np.zeros(MIN_OUTCOMES), y[400 : 400 + REFIT_EVERY]])
+    assert rejected_then_mixed.sum() >= MIN_OUTCOMES
+    predictor.learn(x[400 : 400 + len(rejected_then_mixed)], rejected_then_mixed, group=2)
+    assert predictor.map is not given and predictor.map.samples == len(predictor.y)
 
 
 def test_live_scores_are_the_predictions_acted_on():
