@@ -64,7 +64,7 @@ from backends.speculative.drafters import Drafter
 from backends.speculative.engine import SpeculativeEngine
 from backends.speculative.factory import build_drafter
 from backends.speculative.stats import SpeculationStats
-from policies.config import PolicyConfig
+from policies.config import parse_policy
 from policies.cost_model import break_even_concurrency, speedup, tokens_per_step
 from policies.drafters import KINDS, DrafterConfig, DrafterKind
 from policies.estimates import ProfileCosts, decode_context
@@ -681,10 +681,12 @@ def _policy_backend(
 ) -> str:
     """The backend `decide()` picks at this concurrency with this α and ρ, the default policy
     choosing between this drafter and plain decoding (quantization is not what the cell measures)."""
-    policy = PolicyConfig(
-        concurrency_override=batch,
-        speculation={"drafters": [config.drafter]},  # type: ignore[arg-type]
-        quantization={"enabled": False},  # type: ignore[arg-type]
+    policy = parse_policy(
+        {
+            "concurrency_override": batch,
+            "speculation": {"drafters": [config.drafter]},
+            "quantization": {"enabled": False},
+        }
     )
     features = RequestFeatures(
         prompt_tokens=round(_mean(outlook.tokens)),
@@ -708,8 +710,8 @@ def _score_predictor(
     """Each category's prompts as one greedy batch at the profile's k, answering as long as the
     profile's training samples did, then again twice as long (greedy: the same first half): each
     prompt's α and ρ over the first half, what was predicted for it, and its second half's. Also
-    predicted online: by a copy of the predictors that has been told, as the router is, what each
-    prompt scored before it achieved."""
+    predicted online: by a copy of the predictors that, as the router after each finished request,
+    has been told what every prompt scored before it achieved."""
     if config.predictor_prompts == 0:
         return []
     k, tokens = _profile_setting(profile, "acceptance_k"), _profile_setting(profile, "max_tokens")
