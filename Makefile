@@ -8,7 +8,7 @@ PROMPT ?= What is the capital of France?
 # a CPU build, e.g. make test TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu"
 TORCH_PIP_ARGS ?=
 
-.PHONY: install model run generate test lint bench drafters clean browser
+.PHONY: install model run generate test lint docs bench drafters clean browser
 
 # torch goes in first and pinned, so the project's `torch>=2.4` is already satisfied and pip
 # never resolves a bare `torch` requirement to a multi-GB CUDA build.
@@ -38,9 +38,17 @@ SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 browser:
 	command -v chromium >/dev/null 2>&1 || { $(SUDO) apt-get update && $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends chromium; }
 
+# One pytest-xdist worker per core (the tests that start Ray share one worker); the slowest tests
+# are printed at the end, so that a suite creeping back up shows.
 test: model browser
 	$(BIN)/ruff check .
-	$(BIN)/pytest
+	$(BIN)/pytest -n auto --dist loadgroup --durations=25
+
+# Regenerates the reference pages (CLI, YAML schemas, metrics) and the results tables from the
+# code and docs/results/, then builds the site into site/ (a test fails when they are stale).
+docs: install
+	$(BIN)/python -m router.docs_gen
+	$(BIN)/mkdocs build --strict
 
 lint: install
 	$(BIN)/ruff check .
@@ -57,4 +65,4 @@ drafters: model
 	$(BIN)/specroute train-drafter --kind early-exit-adapter --minutes 5 --out $(DRAFTERS)
 
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache site

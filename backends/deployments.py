@@ -69,10 +69,14 @@ class BackendSettings(LoopSettings):
         description="the target's dtype; auto: the service picks the exact dtype this machine's profiles say is "
         "faster (policies.serving_dtype) before any replica starts",
     )
-    device: Literal["cpu", "cuda"] = "cpu"
+    device: Literal["cpu", "cuda"] = Field("cpu", description="where every replica runs its model")
     threads: int = Field(1, ge=1, le=256, description="torch threads per replica")
     batch_wait_ms: float = Field(20.0, ge=0, le=10_000, description="static baseline only: how long a batch waits")
-    drafters: list[DrafterKind] = Field(default_factory=lambda: list(SERVED_KINDS), min_length=1)
+    drafters: list[DrafterKind] = Field(
+        default_factory=lambda: list(SERVED_KINDS),
+        min_length=1,
+        description="the drafters the speculative backend loads; the policy picks among them per request",
+    )
     drafter: DrafterConfig = Field(default_factory=DrafterConfig, description="drafter options (kind ignored)")
     k_max: int = Field(8, ge=1, le=32, description="most tokens a speculative step drafts")
     quantization: QuantChoice = Field(

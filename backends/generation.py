@@ -27,8 +27,8 @@ TokenListener = Callable[["SequenceState", int], None]
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    role: Literal["system", "user", "assistant"]
-    content: str
+    role: Literal["system", "user", "assistant"] = Field(description="who says it, as in OpenAI's chat format")
+    content: str = Field(description="the message's text")
 
 
 class GenerationRequest(BaseModel):

@@ -70,7 +70,7 @@ class KernelChoice(BaseModel):
         if self.source == "setting":
             return f"{self.kernel} linear kernels, as set ({KERNELS_ENV} or linear_kernels)"
         if self.source == "unavailable":
-            return "torch's linear: this torch build has no oneDNN packed kernels"
+            return "torch's linear: this torch build or CPU has no oneDNN packed kernels in this dtype"
         widths = " / ".join(str(w) for w in sorted(self.packed_ms))
         packed = " / ".join(f"{self.packed_ms[w]:.1f}" for w in sorted(self.packed_ms))
         plain = " / ".join(f"{self.torch_ms[w]:.1f}" for w in sorted(self.torch_ms))
@@ -87,7 +87,7 @@ def choose_linear_kernels(model: torch.nn.Module, dtype: str, setting: str | Non
     setting = setting or os.environ.get(KERNELS_ENV) or "auto"
     if setting not in LINEAR_KERNEL_SETTINGS:
         raise ModelLoadError(f"unknown linear kernels '{setting}': use one of {', '.join(LINEAR_KERNEL_SETTINGS)}")
-    if not packing_available():
+    if not packing_available(getattr(torch, dtype)):
         choice = KernelChoice(kernel="torch", source="unavailable")
     elif setting != "auto":
         choice = KernelChoice(kernel=setting, source="setting")  # type: ignore[arg-type]

@@ -23,6 +23,7 @@ torch's own linear.
 
 from __future__ import annotations
 
+import functools
 import types
 from collections.abc import Sequence
 
@@ -82,16 +83,29 @@ class _Group:
         return outputs[index]
 
 
-def packing_available() -> bool:
-    """Whether this torch build has oneDNN's CPU linear kernels."""
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+def packing_available(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether this torch build and CPU run oneDNN's packed linear kernels in `dtype`: the bfloat16
+    kernels need AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT, which an AVX2-only CPU lacks."""
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+        return False
+    return dtype in PACKED_DTYPES and _packs(dtype)
+
+
+@functools.cache
+def _packs(dtype: torch.dtype) -> bool:
+    # oneDNN says which of its kernels this CPU runs only by refusing to reorder a weight.
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(2, 2, dtype=dtype), 1)
+    except RuntimeError:
+        return False
+    return True
 
 
 def pack_linears(model: nn.Module) -> int:
     """Serve every plain linear layer of `model` from a prepacked weight, siblings that read one
     input from one product; how many layers were newly packed (already packed ones stay as they are)."""
     if not packing_available():
-        return 0
+        return 0  # a model in a dtype this CPU cannot pack keeps torch's linear (see _packable)
     grouped: set[int] = set()
     for parent in model.modules():
         for names in FUSED_GROUPS:
@@ -126,7 +140,7 @@ def _packable(module: object) -> bool:
     return (
         type(module) is nn.Linear
         and "_group" not in module.__dict__
-        and module.weight.dtype in PACKED_DTYPES
+        and packing_available(module.weight.dtype)
         and module.weight.device.type == "cpu"
     )
 

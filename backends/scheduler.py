@@ -77,7 +77,7 @@ from .speculative.stats import SpeculationStats
 log = logging.getLogger("specroute.scheduler")
 KSetting = int | Literal["auto"]
 K_LIMIT = 32
-# Measured on a 2-core AMD EPYC in bfloat16 (README): a pass costs more the wider it is, so the
+# Measured on a 2-core AMD EPYC in bfloat16 (docs/benchmarks/history.md): a pass costs more the wider it is, so the
 # default tile is the narrowest that verifies the default k_max of 8.
 DEFAULT_TILE_WIDTH = 9
 # Measured there too (1 thread, 192 cached tokens): a 9-wide tile costs 1.3× a 1-wide pass alone,

@@ -152,7 +152,7 @@ class DrafterConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    kind: DrafterKind = KINDS[0]
+    kind: DrafterKind = Field(KINDS[0], description="which drafter (the registry's name: ngram, model, eagle, ...)")
     ngram_max: int = Field(4, ge=1, le=16, description="longest suffix n-gram prompt lookup tries")
     ngram_min: int = Field(2, ge=1, le=16, description="shortest suffix n-gram prompt lookup accepts")
     draft_model: str = Field("embedded", description="the draft model: 'embedded', a directory, a .gguf or a HF id")

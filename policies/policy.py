@@ -83,7 +83,8 @@ class Decision(BaseModel):
 def decide(features: RequestFeatures, load: LoadSnapshot, profile: Profile, config: PolicyConfig) -> Decision:
     costs = ProfileCosts(profile, decode_context(features.prompt_tokens, features.max_tokens))
     b = config.concurrency_override or load.concurrency
-    reasons: list[str] = []
+    # A provisional profile's decisions use what is measured so far: every decision says so first.
+    reasons = [why for why in [profile.provisional_reason()] if why]
     plain = plain_candidate(costs, b, features.prompt_tokens, features.max_tokens)
     bottleneck, eps = _bottleneck(costs, b, config, reasons)
     specs = _speculative_candidates(costs, features, b, config, reasons)
@@ -264,7 +265,8 @@ def _quantization_stage(
         reasons.append("quantization: disabled by the policy")
         return choice, stage
     if quantized is None or profile.quantized is None:
-        reasons.append("quantization: the profile has no quantized backend measured")
+        later = " yet: not routed there until the full profile measures it" if profile.provisional else ""
+        reasons.append(f"quantization: the profile has no quantized backend measured{later}")
         return choice, stage
     method, agreement = profile.quantized.method, profile.quantized.agreement
     if not q.meets_floor(agreement):

@@ -480,6 +480,13 @@ class Profile(_Frozen):
     acceptance_source: str = Field(
         "measured", description="'measured' here, or where the shipped acceptance (AcceptanceSeed) came from"
     )
+    provisional: bool = Field(
+        False,
+        description="a quick probe's measurements (what `specroute serve` measures before its first answer on a "
+        "machine without a profile: each pass timed once, no context curve, drafters not timed in a run, "
+        "possibly no quantized backend), to be replaced by the full measurement; `coverage` says what it "
+        "holds. False: a full `specroute profile` run",
+    )
 
     @model_validator(mode="after")
     def _usable_target(self) -> Profile:
@@ -498,8 +505,11 @@ class Profile(_Frozen):
 
     def serving(self, method: str) -> Profile:
         """This profile with `method` as the quantized backend's served method (what the cost model
-        and the policy read as `quantized`); refuses a method the profile did not measure."""
+        and the policy read as `quantized`); refuses a method the profile did not measure, except in
+        a provisional profile that measured none yet (the policy does not route there until it has)."""
         chosen = self.quantized_method(method)
+        if chosen is None and self.provisional and self.quantized is None and not self.quantized_others:
+            return self
         if chosen is None:
             measured = [q.method for q in [self.quantized, *self.quantized_others] if q is not None]
             raise ProfileError(
@@ -554,6 +564,30 @@ class Profile(_Frozen):
     def categories(self) -> list[str]:
         return sorted({a.category for a in self.acceptance})
 
+    def coverage(self) -> str:
+        """What the cost curves hold and what the policy reads past them, in a phrase."""
+        batches, tries = self.target.batches, self.settings.get("repeats")
+        each = ""
+        if isinstance(tries, int):  # the profiler's settings say how many tries each pass got
+            each = ", one try each" if tries == 1 else f", best of {tries} tries"
+        parts = [f"target passes at batches {_span(batches)}{each} (larger ones extrapolated)"]
+        if self.context is None:
+            parts.append("no context curve (passes read as flat in cached context)")
+        parts.append(f"prefill at {_span(self.prefill.widths)} tokens")
+        if self.drafters and not self.acceptance_maps:
+            parts.append("drafters not timed in a run yet (a draft model's bare pass; prompt lookup as free)")
+        if self.quantized is not None:
+            parts.append(f"{self.quantized.method} at batches {_span(self.quantized.curve.batches)}")
+        else:
+            parts.append("no quantized backend measured")
+        return ", ".join(parts)
+
+    def provisional_reason(self) -> str | None:
+        """The reason every decision made with a provisional profile carries (None: a full one)."""
+        if not self.provisional:
+            return None
+        return f"costs from a provisional profile (a quick probe: {self.coverage()}); the full measurement replaces it"
+
     def save(self, path: Path) -> None:
         _write(path, self.model_dump_json(indent=1))
 
@@ -572,6 +606,13 @@ class Profile(_Frozen):
                     f"{PROFILE_VERSION}): measure a new one with `specroute profile`"
                 ) from None
             raise ProfileError(f"{path} is not a valid profile: {exc}") from None
+
+
+def _span(values: list[int]) -> str:
+    """[1, 2] → '1, 2'; [1, 2, 4, 8, 16] → '1 to 16 (5 sizes)'."""
+    if len(values) <= 3:
+        return ", ".join(map(str, values))
+    return f"{values[0]} to {values[-1]} ({len(values)} sizes)"
 
 
 def _write(path: Path, text: str) -> None:

@@ -33,7 +33,7 @@ MIN_GAIN = 1.05
 class DtypeOutlook(BaseModel):
     """One dtype's profile read for the choice: predicted speeds from measured costs and acceptance."""
 
-    dtype: str
+    dtype: str = Field(description="the dtype this profile was measured in")
     exact: bool = Field(description="speculative greedy output equals plain output at batch 1 in this dtype")
     tile_width: int | None = Field(None, description="width-invariant passes' width (None: natural widths)")
     tile_max_rows: int | None = Field(None, description="with tile_width: the most sequences a tiled pass has")
@@ -52,12 +52,14 @@ class DtypeOutlook(BaseModel):
 
 
 class DtypeChoice(BaseModel):
-    dtype: str
+    """Which exact dtype the service serves, and why."""
+
+    dtype: str = Field(description="the dtype chosen (float32 or bfloat16)")
     source: Literal["measured", "configured"] = Field(
         description="measured: picked from the profiles (dtype auto); configured: set in the settings"
     )
-    reason: str
-    outlooks: list[DtypeOutlook] = Field(default_factory=list)
+    reason: str = Field(description="why, with the predicted speeds it compared")
+    outlooks: list[DtypeOutlook] = Field(default_factory=list, description="each profiled dtype's predicted speeds")
 
 
 def outlook(profile: Profile, config: PolicyConfig) -> DtypeOutlook:

@@ -78,6 +78,10 @@ SEED_DTYPES = ("float32", "bfloat16")  # the dtypes the service serves the embed
 TIMING_PROMPTS = 2  # per category, in the short run that times each drafter when acceptance ships
 TIMING_TOKENS = 24
 TRAINING_DRAW_SEED = 0  # which training-set prompts the profile measures
+# The quick probe (`quick_config`), sized to answer within ~90 s of `specroute serve` on 2 cores.
+PROBE_REPEATS = 1
+PROBE_PREFILL = [64]
+PROBE_PROMPTS = 2  # per category, where a probe must measure acceptance (nothing ships for the model)
 
 
 class ProfileConfig(ModelSettings):
@@ -130,6 +134,12 @@ class ProfileConfig(ModelSettings):
         description="auto: use the acceptance shipped for this model when it fits these settings, else measure; "
         "measure: always measure; shipped: refuse unless the shipped acceptance fits",
     )
+    probe: bool = Field(
+        False,
+        description="a quick probe (`quick_config`): the profile is marked provisional, the predictor is not "
+        "cross-validated and shipped acceptance is not timed in a run; acceptance that has to be measured is "
+        "measured on PROBE_PROMPTS prompts a category",
+    )
 
     _known_categories = field_validator("categories")(check_categories)
 
@@ -142,6 +152,27 @@ class ProfileConfig(ModelSettings):
         if self.acceptance_k > self.max_width - 1:
             raise ValueError(f"acceptance_k ({self.acceptance_k}) needs max_width ≥ {self.acceptance_k + 1}")
         return self
+
+
+def quick_config(config: ProfileConfig) -> ProfileConfig:
+    """The probe `specroute serve` measures before its first answer where no profile exists: every
+    pass of the full run's batches and widths timed PROBE_REPEATS times in one sweep (the batch
+    buckets the speculative backend would otherwise probe at its start), no context curve, one
+    prefill length, a draft model's bare pass at each batch, and neither drafters' timed runs (where
+    acceptance ships) nor the quantized backend, which the policy does not route to until the full
+    profile measures it. The acceptance settings stay the full run's, so the shipped acceptance
+    fits as it would there."""
+    return ProfileConfig.model_validate(
+        {
+            **config.model_dump(),
+            "probe": True,
+            "repeats": PROBE_REPEATS,
+            "curve_sweeps": 1,
+            "context_budget_s": 0.0,
+            "prefill_lengths": PROBE_PREFILL,
+            "quantization": [],
+        }
+    )
 
 
 def batches_up_to(largest: int) -> list[int]:
@@ -158,29 +189,41 @@ def default_profile_path(model: str = "embedded", dtype: str = "float32", device
     return specroute_home() / "profiles" / f"{slug}-{dtype}-{device}.json"
 
 
-def run_profile(config: ProfileConfig, progress: bool = True, log: Callable[[str], None] = print) -> Profile:
+def run_profile(
+    config: ProfileConfig,
+    progress: bool = True,
+    log: Callable[[str], None] = print,
+    clock: Callable[[], float] = time.perf_counter,
+) -> Profile:
+    """`clock`: what the context curve's time budget is read on (a profiler that is paused while a
+    service answers requests passes one that stands still while it is paused)."""
     loaded = load_model(config.model, dtype=config.dtype, device=config.device, threads=config.threads)
     seed = usable_seed(loaded, config, log)
+    if seed is None and config.probe:
+        config = _probe_acceptance(config, log)
     built = {kind: build_drafter(config.drafter.of(kind), loaded) for kind in config.drafters}
     # A structured drafter's pass (lookahead's block) may be wider than any k asks for: measure it too.
     widths = list(range(1, max([config.max_width, *(d.widest_block for d in built.values())]) + 1))
     target = measure_curve(loaded, config, widths, "target t(b, n)", progress)
-    context = measure_context(loaded, config, widths, progress)
+    context = measure_context(loaded, config, widths, progress, clock) if config.context_budget_s else None
     prefill = measure_prefill(loaded, config.prefill_lengths, progress)
     costs = seeded_step_costs(loaded, target, context=context)
     drafters, acceptance, samples, shipped, maps = [], [], [], [], []
     for kind, drafter in built.items():
         engine = SpeculativeEngine(loaded, drafter, k=config.acceptance_k, costs=costs)
-        if seed is not None and seed_fits(seed, config, kind, drafter.name):
-            measured, prompt_samples, in_run = timed_seed(engine, config, seed, progress)
-            shipped.append(drafter.name)
-        else:
+        from_seed = seed if seed is not None and seed_fits(seed, config, kind, drafter.name) else None
+        # A probe leaves the timed run to the full profile: a draft model's run is its slowest part.
+        ran = from_seed is None or not config.probe
+        if from_seed is None:
             measured, prompt_samples, in_run = measure_acceptance(engine, config, progress)
+        else:
+            runs = timed_seed if ran else untimed_seed
+            measured, prompt_samples, in_run = runs(engine, config, from_seed, progress)
+            shipped.append(drafter.name)
         acceptance += measured
-        from_seed = seed if drafter.name in shipped else None
         samples += prompt_samples + training_samples(engine, config, from_seed, progress)
-        # The judged positions of those runs (fixed k: every position up to the first rejection).
-        maps.append(engine.acceptance_map())
+        if ran:  # the judged positions of those runs (fixed k: every position up to the first rejection)
+            maps.append(engine.acceptance_map())
         drafters.append(drafter_profile(loaded, drafter, kind, config, in_run, progress))
     methods = list(dict.fromkeys(resolve_method(loaded, choice) for choice in config.quantization))
     qualities = [_shipped_quality(seed, config, method) for method in methods]
@@ -200,12 +243,23 @@ def run_profile(config: ProfileConfig, progress: bool = True, log: Callable[[str
         drafters=drafters,
         acceptance=acceptance,
         samples=samples,
-        predictor=[s for t in ("alpha", "proposal_rate") for s in cross_validate(samples, config.folds, target=t)],
+        # Scores for the report only (the router refits the predictor from the samples): not worth a probe's time.
+        predictor=[]
+        if config.probe
+        else [s for t in ("alpha", "proposal_rate") for s in cross_validate(samples, config.folds, target=t)],
         acceptance_maps=maps,
         quantized=quantized[0] if quantized else None,
         quantized_others=quantized[1:],
         acceptance_source=_source(seed, shipped, [q.method for q in qualities if q is not None]),
+        provisional=config.probe,
     )
+
+
+def _probe_acceptance(config: ProfileConfig, log: Callable[[str], None]) -> ProfileConfig:
+    """A probe without shipped acceptance measures it on a few prompts a category, none of the
+    training set: rough α and ρ per category until the full run measures them."""
+    log(f"the probe measures acceptance on {PROBE_PROMPTS} prompts a category (the full profile on all of them)")
+    return config.model_copy(update={"prompts_per_category": PROBE_PROMPTS, "training_prompts": 0})
 
 
 def _shipped_quality(seed: AcceptanceSeed | None, config: ProfileConfig, method: str) -> ShippedQuality | None:
@@ -317,6 +371,16 @@ def timed_seed(
     measured = [a.model_copy(update={"gamma": stats.gamma}) for a in seed.acceptance if a.drafter == drafter.name]
     samples = [s for s in seed.samples if s.drafter == drafter.name and s.prompt_set == "project"]
     return measured, samples, _in_run_costs(engine)
+
+
+def untimed_seed(
+    engine: SpeculativeEngine, config: ProfileConfig, seed: AcceptanceSeed, progress: bool
+) -> tuple[list[AcceptanceProfile], list[AcceptanceSample], dict[int, float]]:
+    """The shipped acceptance of the engine's drafter as it ships (γ as timed where it was
+    measured), with no run: no in-run draft costs."""
+    name = engine.drafter.name
+    samples = [s for s in seed.samples if s.drafter == name and s.prompt_set == "project"]
+    return [a for a in seed.acceptance if a.drafter == name], samples, {}
 
 
 def training_samples(
@@ -468,17 +532,21 @@ def measure_curve(
 
 
 def measure_context(
-    loaded: LoadedModel, config: ProfileConfig, widths: Sequence[int], progress: bool
+    loaded: LoadedModel,
+    config: ProfileConfig,
+    widths: Sequence[int],
+    progress: bool,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> ContextCurve | None:
     """Pass times over several cached-context lengths: batches from the smallest, contexts from
     the shortest, at the narrowest, a middle and the widest pass, until `context_budget_s` is spent
-    (cells left are None) or a batch × context exceeds `context_max_tokens`. None when fewer than
-    two contexts of any batch fit."""
+    on `clock` (cells left are None) or a batch × context exceeds `context_max_tokens`. None when
+    fewer than two contexts of any batch fit."""
     contexts = sorted({*config.contexts, config.context_tokens})
     picked = sorted({widths[0], widths[len(widths) // 2], widths[-1]})
     loop, dtype = LoopSettings(), loaded.info.dtype
     tile = loop.tile(dtype)
-    started, grid = time.perf_counter(), []
+    started, grid = clock(), []
     bar = tqdm(
         total=len(config.batches) * len(contexts), desc="target t(b, w, context)", unit="cell", disable=not progress
     )
@@ -486,7 +554,7 @@ def measure_context(
         row: list[list[float | None]] = []
         for n in contexts:
             bar.update()
-            if b * n > config.context_max_tokens or time.perf_counter() - started > config.context_budget_s:
+            if b * n > config.context_max_tokens or clock() - started > config.context_budget_s:
                 row.append([None] * len(picked))
                 continue
             times = measure_step_times(
@@ -644,7 +712,8 @@ def drafter_profile(
     probe = DrafterProfile(
         name=drafter.name, kind=kind, batches=list(config.batches), step_seconds=probed, weight_bytes=extra
     )
-    calibration = float(np.median([s / probe.step_at(b) for b, s in in_run.items()]))
+    # No run (a probe's shipped acceptance): the bare pass stands for the step until the full run calibrates it.
+    calibration = float(np.median([s / probe.step_at(b) for b, s in in_run.items()])) if in_run else 1.0
     return probe.model_copy(
         update={"step_seconds": [s * calibration for s in probed], "probed_seconds": probed, "calibration": calibration}
     )

@@ -155,11 +155,18 @@ def create_app(model_id: str, api_key: str | None = None) -> FastAPI:
         _authorize(request)
         entry = {"id": _setting(request, "model_id"), "object": "model", "created": 0, "owned_by": "specroute"}
         # specroute's own field: what each backend holds in memory and the quantized one's measured quality.
-        # And the dtype the target serves in, why, and what each profiled dtype was predicted to do.
+        # And the dtype the target serves in, why, and what each profiled dtype was predicted to do; and
+        # whether the profile is a quick probe's (provisional) and what it covers.
         core = _core(request)
         entry["specroute"] = {
             "backends": [b.model_dump() for b in backend_summaries(core.profile)],
             "dtype": core.dtype_choice.model_dump(mode="json"),
+            "profile": {
+                "measured": core.profile.created.isoformat(),
+                "provisional": core.profile.provisional,
+                "coverage": core.profile.coverage(),
+                "note": core.provisional_note(),
+            },
         }
         return {"object": "list", "data": [entry]}
 

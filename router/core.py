@@ -12,6 +12,7 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -152,6 +153,7 @@ class RouterCore:
         self.predictors = Predictors.from_profile(profile)
         self.load: Counter[str] = Counter()
         self.policy_error: str | None = None
+        self.profile_error: str | None = None
 
     @property
     def drafters(self) -> list[str]:
@@ -180,6 +182,27 @@ class RouterCore:
             log.error("policy rejected, keeping the last good one: %s", exc)
             return False
         self.policy_error = None
+        return True
+
+    def apply_profile(self, path: Path, quantization: str = "auto") -> bool:
+        """Route with the profile at `path` from now on (the full measurement replacing a
+        provisional one), served with the quantized method `quantization`; one that cannot be read
+        or profiles another model or dtype is refused and the current one stays."""
+        try:
+            profile = Profile.load(path).serving(quantization)
+            now, new = self.profile.model, profile.model
+            if (new.name, new.dtype) != (now.name, now.dtype):
+                raise ProfileError(
+                    f"{path} profiles {new.name} in {new.dtype}, the service runs {now.name} in {now.dtype}"
+                )
+        except ProfileError as exc:
+            self.profile_error = str(exc)
+            log.error("profile rejected, keeping the current one: %s", exc)
+            return False
+        if profile.samples != self.profile.samples:  # the same samples: keep what the predictors learned since
+            self.predictors = Predictors.from_profile(profile)
+        self.profile, self.profile_error = profile, None
+        log.info("routing with the profile at %s (measured %s)", path, profile.created)
         return True
 
     # -- admission ------------------------------------------------------------------------------
@@ -229,7 +252,11 @@ class RouterCore:
         backend, drafter, k, stage = decision.backend, decision.drafter, decision.k, decision.stage
         reasons = list(decision.reasons)
         if forced != "auto":
-            reasons = [f"forced: the request asked for the {forced} backend (the policy would pick {backend})"]
+            provisional = [why for why in [self.profile.provisional_reason()] if why]
+            reasons = [
+                *provisional,
+                f"forced: the request asked for the {forced} backend (the policy would pick {backend})",
+            ]
             backend, stage = forced, "forced"
             drafter, k = (None, None) if forced != "speculative" else self._forced_drafter(decision, prepared)
         elif backend == "speculative" and prepared.options.drafter:
@@ -241,8 +268,10 @@ class RouterCore:
 
     def weights(self, backend: str) -> str:
         """What a backend's target computes in: the served dtype, or the quantized backend's method."""
+        if backend != "quantized":
+            return self.dtype_choice.dtype
         quantized = self.profile.quantized
-        return quantized.method if backend == "quantized" and quantized is not None else self.dtype_choice.dtype
+        return quantized.method if quantized is not None else "quantized (method not profiled yet)"
 
     def _forced_drafter(self, decision: Decision, prepared: Prepared) -> tuple[str | None, int | None]:
         if prepared.options.drafter:
@@ -363,6 +392,16 @@ class RouterCore:
         served = quantized is not None and self.policy.quantization.meets_floor(quantized.agreement)
         return [] if served else ["quantized"]
 
+    def provisional_note(self) -> str | None:
+        """What /healthz and /v1/models say while the profile is provisional (None: a full one)."""
+        if not self.profile.provisional:
+            return None
+        return (
+            f"provisional profile: {self.profile.coverage()}; the policy decides with what is measured so far "
+            "(each decision says so) and each backend's step loop times its own passes and chooses k from them; "
+            "`specroute serve` measures the full profile between requests and switches to it when done"
+        )
+
     async def health(self) -> dict[str, Any]:
         """What /healthz says: `status` is "ok" only while every backend has a live replica and the
         last policy applied; `problems` says what is wrong otherwise."""
@@ -371,6 +410,8 @@ class RouterCore:
         problems = [f"{b}: {why}" for b, why in backends.items() if why]
         if self.policy_error:
             problems.append(f"the last policy was refused (the previous one still rules): {self.policy_error}")
+        if self.profile_error:
+            problems.append(f"the last profile was refused (the previous one still rules): {self.profile_error}")
         return {
             "status": "degraded" if problems else "ok",
             "problems": problems,
@@ -381,6 +422,7 @@ class RouterCore:
             "policy_error": self.policy_error,
             "served_drafters": self.drafters,
             "profile": f"{m.name} {m.dtype}, measured {self.profile.created:%Y-%m-%d %H:%M} UTC",
+            "profile_provisional": self.provisional_note(),
             "dtype": self.dtype_choice.dtype,
             "dtype_reason": self.dtype_choice.reason,
         }

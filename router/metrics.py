@@ -7,29 +7,16 @@ has always carried (Ray refuses ':' in names and prefixes `ray_`).
 replica did not answer is left out, not reported as zeros). One name per thing: vLLM's where vLLM
 has the same quantity, specroute's own otherwise.
 
-Router (labels; Ray export name):
-- `vllm:time_to_first_token_seconds` histogram {backend}; specroute_time_to_first_token_seconds
-- `vllm:request_time_per_output_token_seconds` histogram {backend}: each request's mean time per
-  output token after the first (vLLM's per-request TPOT); specroute_time_per_output_token_seconds
-- `vllm:spec_decode_num_drafts_total` {drafter}: speculative steps that verified drafted tokens
-- `vllm:spec_decode_num_draft_tokens_total` {drafter}: drafted tokens verified
-- `vllm:spec_decode_num_accepted_tokens_total` {drafter}
-- `vllm:spec_decode_num_accepted_tokens_per_pos_total` {drafter, position}
-  (Ray: the same four as specroute_spec_decode_*)
-- `specroute_requests_total` {backend, stage}: requests routed
-- `specroute_retries_total` {backend}: attempts that failed on this backend and were resumed
-- `specroute_in_flight` gauge {backend}: requests the router has in flight
-Step loops, from snapshots (labels {backend}; Ray export: backends.loop_metrics):
-- `vllm:num_requests_running`, `vllm:num_requests_waiting` (the loop's queue length),
-  `vllm:kv_cache_usage_perc` (0..1) gauges
-- `specroute_batch_size_per_step` histogram: sequences in each step
-- `specroute_generated_tokens_per_step` histogram: tokens each step generated
-Counters and histograms also carry prometheus_client's `_created` series.
+`ROUTER_METRICS` and `LOOP_METRICS` below are the one list of every family (name, type, labels,
+help, Ray export name): the registry is built from them and docs/reference/metrics.md is generated
+from them (`python -m router.docs_gen`). Counters are exposed with prometheus_client's `_total`
+suffix, and counters and histograms also carry its `_created` series.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -43,6 +30,103 @@ from backends.loop_metrics import HistogramSnapshot, LoopSnapshot
 LATENCY_BUCKETS = [0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2, 5, 10, 30, 60]
 Kind = Literal["counter", "gauge", "histogram"]
 _LOCAL = {"counter": Counter, "gauge": Gauge, "histogram": Histogram}
+_SPEC = "specroute_spec_decode_num_"
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    """One metric family as declared: `ray_name` is its name on Ray's export port where that
+    differs; `field` is the `LoopSnapshot` field a step-loop family reads."""
+
+    kind: Kind
+    name: str
+    documentation: str
+    labels: tuple[str, ...]
+    ray_name: str | None = None
+    field: str | None = None
+
+    @property
+    def exposed(self) -> str:
+        """The name a scrape shows (prometheus_client adds `_total` to a counter)."""
+        return self.name + "_total" if self.kind == "counter" else self.name
+
+
+REQUESTS = MetricSpec(
+    "counter", "specroute_requests", "Requests routed, by backend and policy stage", ("backend", "stage")
+)
+RETRIES = MetricSpec(
+    "counter", "specroute_retries", "Attempts that failed on this backend and were resumed on another", ("backend",)
+)
+IN_FLIGHT = MetricSpec("gauge", "specroute_in_flight", "Requests the router has in flight per backend", ("backend",))
+TTFT = MetricSpec(
+    "histogram",
+    "vllm:time_to_first_token_seconds",
+    "Time to first token, seconds",
+    ("backend",),
+    "specroute_time_to_first_token_seconds",
+)
+TPOT = MetricSpec(
+    "histogram",
+    "vllm:request_time_per_output_token_seconds",
+    "Each request's mean time per output token after the first, seconds (vLLM's per-request TPOT)",
+    ("backend",),
+    "specroute_time_per_output_token_seconds",
+)
+DRAFTS = MetricSpec(
+    "counter",
+    "vllm:spec_decode_num_drafts",
+    "Speculative steps that verified drafted tokens",
+    ("drafter",),
+    _SPEC + "drafts",
+)
+DRAFT_TOKENS = MetricSpec(
+    "counter", "vllm:spec_decode_num_draft_tokens", "Drafted tokens verified", ("drafter",), _SPEC + "draft_tokens"
+)
+ACCEPTED = MetricSpec(
+    "counter",
+    "vllm:spec_decode_num_accepted_tokens",
+    "Drafted tokens accepted",
+    ("drafter",),
+    _SPEC + "accepted_tokens",
+)
+PER_POSITION = MetricSpec(
+    "counter",
+    "vllm:spec_decode_num_accepted_tokens_per_pos",
+    "Accepted drafted tokens by position in the draft (0: the first drafted token)",
+    ("drafter", "position"),
+    _SPEC + "accepted_tokens_per_pos",
+)
+ROUTER_METRICS = (REQUESTS, RETRIES, IN_FLIGHT, TTFT, TPOT, DRAFTS, DRAFT_TOKENS, ACCEPTED, PER_POSITION)
+# Each backend's step loop, from the snapshots a scrape gathered (Ray export: backends.loop_metrics).
+LOOP_METRICS = (
+    MetricSpec(
+        "gauge", "vllm:num_requests_running", "Requests in the step loop's batch", ("backend",), field="running"
+    ),
+    MetricSpec(
+        "gauge",
+        "vllm:num_requests_waiting",
+        "Requests queued for a row of the step loop",
+        ("backend",),
+        field="waiting",
+    ),
+    MetricSpec(
+        "gauge", "vllm:kv_cache_usage_perc", "Share of the KV cache held (0..1)", ("backend",), field="kv_cache_usage"
+    ),
+    MetricSpec(
+        "histogram",
+        "specroute_batch_size_per_step",
+        "Sequences in each step of the loop",
+        ("backend",),
+        field="batch_size",
+    ),
+    MetricSpec(
+        "histogram",
+        "specroute_generated_tokens_per_step",
+        "Tokens each step of the loop generated",
+        ("backend",),
+        field="tokens",
+    ),
+)
 
 
 class _Family:
@@ -73,36 +157,11 @@ class ServiceMetrics:
     def __init__(self, ray_export: bool = True):
         self.registry = CollectorRegistry()
         self.ray_export = ray_export
-        b, d = ("backend",), ("drafter",)
-        family = self._family
-        self.requests = family("counter", "specroute_requests", None, "Requests routed", ("backend", "stage"))
-        self.retries = family("counter", "specroute_retries", None, "Failed attempts, resumed", b)
-        self.inflight = family("gauge", "specroute_in_flight", None, "Requests in flight per backend", b)
-        self.ttft = family(
-            "histogram", "vllm:time_to_first_token_seconds", "specroute_time_to_first_token_seconds", "TTFT", b
-        )
-        self.tpot = family(
-            "histogram",
-            "vllm:request_time_per_output_token_seconds",
-            "specroute_time_per_output_token_seconds",
-            "Each request's mean time per output token after the first",
-            b,
-        )
-        spec = "specroute_spec_decode_num_"
-        self.drafts = family("counter", "vllm:spec_decode_num_drafts", spec + "drafts", "Speculative steps", d)
-        self.draft_tokens = family(
-            "counter", "vllm:spec_decode_num_draft_tokens", spec + "draft_tokens", "Drafted tokens verified", d
-        )
-        self.accepted = family(
-            "counter", "vllm:spec_decode_num_accepted_tokens", spec + "accepted_tokens", "Drafted tokens accepted", d
-        )
-        self.per_position = family(
-            "counter",
-            "vllm:spec_decode_num_accepted_tokens_per_pos",
-            spec + "accepted_tokens_per_pos",
-            "Accepted drafted tokens by position",
-            ("drafter", "position"),
-        )
+        self.requests, self.retries = self._family(REQUESTS), self._family(RETRIES)
+        self.inflight = self._family(IN_FLIGHT)
+        self.ttft, self.tpot = self._family(TTFT), self._family(TPOT)
+        self.drafts, self.draft_tokens = self._family(DRAFTS), self._family(DRAFT_TOKENS)
+        self.accepted, self.per_position = self._family(ACCEPTED), self._family(PER_POSITION)
 
     def routed(self, backend: str, stage: str) -> None:
         self.requests.inc(1, backend=backend, stage=stage)
@@ -130,14 +189,12 @@ class ServiceMetrics:
         """The text exposition and its content type: the router's metrics, then each step loop's."""
         return generate_latest(self.registry) + generate_latest(LoopFamilies(snapshots)), CONTENT_TYPE_LATEST
 
-    def _family(
-        self, kind: Kind, name: str, ray_name: str | None, documentation: str, labels: tuple[str, ...]
-    ) -> _Family:
-        """`ray_name`: the name on Ray's export port, where it differs."""
-        buckets = {"buckets": LATENCY_BUCKETS} if kind == "histogram" else {}
-        local = _LOCAL[kind](name, documentation, labels, registry=self.registry, **buckets)
-        ray = _ray_metric(kind, ray_name or name, documentation, labels) if self.ray_export else None
-        return _Family(local, ray)
+    def _family(self, spec: MetricSpec) -> _Family:
+        buckets = {"buckets": LATENCY_BUCKETS} if spec.kind == "histogram" else {}
+        local = _LOCAL[spec.kind](spec.name, spec.documentation, spec.labels, registry=self.registry, **buckets)
+        if not self.ray_export:
+            return _Family(local, None)
+        return _Family(local, _ray_metric(spec.kind, spec.ray_name or spec.name, spec.documentation, spec.labels))
 
 
 def _ray_metric(kind: Kind, name: str, documentation: str, labels: tuple[str, ...]) -> Any:
@@ -151,31 +208,28 @@ def _ray_metric(kind: Kind, name: str, documentation: str, labels: tuple[str, ..
 class LoopFamilies(Collector):
     """The step loops of the backends that answered a scrape, as metric families labelled by backend."""
 
-    GAUGES = (
-        ("vllm:num_requests_running", "Requests in the step loop's batch", "running"),
-        ("vllm:num_requests_waiting", "Requests queued for a row of the step loop", "waiting"),
-        ("vllm:kv_cache_usage_perc", "Share of the KV cache held (0..1)", "kv_cache_usage"),
-    )
-    HISTOGRAMS = (
-        ("specroute_batch_size_per_step", "Sequences in each step of the loop", "batch_size"),
-        ("specroute_generated_tokens_per_step", "Tokens each step of the loop generated", "tokens"),
-    )
-
     def __init__(self, snapshots: Sequence[LoopSnapshot]):
         self.snapshots = snapshots
 
     def collect(self) -> Iterator[Metric]:
         if not self.snapshots:  # no backend answered: no families rather than empty ones
             return
-        for name, documentation, field in self.GAUGES:
-            gauge = GaugeMetricFamily(name, documentation, labels=["backend"])
-            for snapshot in self.snapshots:
-                gauge.add_metric([snapshot.backend], getattr(snapshot, field))
-            yield gauge
-        for name, documentation, field in self.HISTOGRAMS:
-            histogram = HistogramMetricFamily(name, documentation, labels=["backend"])
-            for snapshot in self.snapshots:
-                h: HistogramSnapshot = getattr(snapshot, field)
-                buckets = [(floatToGoString(b), c) for b, c in zip(h.buckets, h.cumulative, strict=True)]
-                histogram.add_metric([snapshot.backend], [*buckets, ("+Inf", h.count)], sum_value=h.sum)
-            yield histogram
+        for spec in LOOP_METRICS:
+            if spec.kind == "gauge":
+                yield self._gauge(spec)
+            else:
+                yield self._histogram(spec)
+
+    def _gauge(self, spec: MetricSpec) -> Metric:
+        gauge = GaugeMetricFamily(spec.name, spec.documentation, labels=list(spec.labels))
+        for snapshot in self.snapshots:
+            gauge.add_metric([snapshot.backend], getattr(snapshot, str(spec.field)))
+        return gauge
+
+    def _histogram(self, spec: MetricSpec) -> Metric:
+        histogram = HistogramMetricFamily(spec.name, spec.documentation, labels=list(spec.labels))
+        for snapshot in self.snapshots:
+            h: HistogramSnapshot = getattr(snapshot, str(spec.field))
+            buckets = [(floatToGoString(b), c) for b, c in zip(h.buckets, h.cumulative, strict=True)]
+            histogram.add_metric([snapshot.backend], [*buckets, ("+Inf", h.count)], sum_value=h.sum)
+        return histogram

@@ -1,6 +1,14 @@
-"""`specroute serve`: start a local Ray instance and the Serve application on the embedded default
-(profiling this machine first when no profile exists), wait until the real route answers, print
-the URL, and shut everything down on Ctrl-C or SIGTERM.
+"""`specroute serve`: start a local Ray instance and the Serve application on the embedded default,
+wait until the real route answers, print the URL, and shut everything down on Ctrl-C or SIGTERM.
+
+Serve first, measure while serving: on a machine with no profile, a quick probe (`quick_config`:
+every pass the backends run timed once, for the dtype choice and the policy) comes first, its
+profile marked provisional; the full `specroute profile` measurement then runs in a child process
+that is paused (SIGSTOP) whenever a request is in flight and resumed once the service has been
+idle a moment, so it measures between requests; when it is done the finished profile is written
+where the provisional one was and the Router's `user_config` points at it (a reconfigure: no
+replica restarts). Until then every decision says it uses a provisional profile, and each
+backend's step loop times its own passes and chooses k from what it measures.
 
 Ray on a small machine: the object store is kept small, Ray's files go to a temporary directory
 of our own, token authentication keeps Ray's default (on for a new local cluster, the token in
@@ -11,65 +19,94 @@ one).
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import shutil
 import signal
 import socket
+import sys
 import tempfile
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from backends.errors import UserError
-from policies.profile import Profile
+from policies.profile import Profile, ProfileError
 from policies.serving_dtype import DEFAULT_DTYPE, SERVED_DTYPES
 from profiler.hardware import NO_FAST_BF16, fast_reduced_precision
 
 from .service import ServiceSettings, check_profile, resolve_dtype
 
+if TYPE_CHECKING:
+    from profiler.profiling import ProfileConfig
+
 READY_TIMEOUT_S = 600.0
 APP_NAME = "specroute"
 OBJECT_STORE_BYTES = 256 * 1024**2
+POLL_S = 0.1  # how often the loop asks the Router whether requests are in flight while a profile is measured
+IDLE_BEFORE_RESUME_S = 1.0  # the service idle this long before the background profiler runs again
+IN_FLIGHT_TIMEOUT_S = 2.0
 
 
-def ensure_profiles(settings: ServiceSettings, log: Callable[[str], None] = print) -> list[Path]:
-    """Every profile the service may route with, measured now (with progress) if missing: with
-    dtype auto, float32 and — where this machine runs bfloat16 natively — bfloat16, so that
-    `resolve_dtype` can pick the faster exact one; else the one dtype asked for."""
+def ensure_profiles(settings: ServiceSettings, log: Callable[[str], None] = print, probe: bool = False) -> list[Path]:
+    """Every profile the service may route with, measured now (with progress) if missing, in full or,
+    with `probe`, by a quick probe (provisional): with dtype auto, float32 and — where this machine
+    runs bfloat16 natively — bfloat16, so that `resolve_dtype` can pick the faster exact one; else
+    the one dtype asked for."""
     b = settings.backend
-    paths = [ensure_profile(settings, log)]
+    paths = [ensure_profile(settings, log, probe=probe)]
     if settings.profile or b.dtype != "auto":
         return paths
     for dtype in SERVED_DTYPES:
         if dtype == DEFAULT_DTYPE:
             continue
         if fast_reduced_precision(b.device):
-            paths.append(ensure_profile(settings.with_dtype(dtype), log, quantized_from=paths[0]))
+            paths.append(ensure_profile(settings.with_dtype(dtype), log, quantized_from=paths[0], probe=probe))
         else:
             log(f"{dtype} not profiled: {NO_FAST_BF16}; serving {DEFAULT_DTYPE}")
     return paths
 
 
 def ensure_profile(
-    settings: ServiceSettings, log: Callable[[str], None] = print, quantized_from: Path | None = None
+    settings: ServiceSettings,
+    log: Callable[[str], None] = print,
+    quantized_from: Path | None = None,
+    probe: bool = False,
 ) -> Path:
-    """The profile the service routes with; measured now (with progress) if there is none.
-    `quantized_from`: a float32 profile whose quantized measurements this one takes instead of
-    measuring its own (the quantized backend runs float32 kernels whatever the others run in).
-    Undecided (auto), it is the reference dtype's."""
+    """The profile the service routes with; measured now (with progress) if there is none — with
+    `probe`, a quick probe (`quick_config`) whose profile is provisional. `quantized_from`: a
+    float32 profile whose quantized measurements this one takes instead of measuring its own (the
+    quantized backend runs float32 kernels whatever the others run in). Undecided (auto), it is the
+    reference dtype's."""
     if settings.backend.dtype == "auto":
         settings = settings.with_dtype(DEFAULT_DTYPE)
     path = settings.profile_path()
     if path.exists():
         return path
-    from profiler.profiling import ProfileConfig, batches_up_to, run_profile
+    from profiler.profiling import quick_config, run_profile
+
+    config = profile_config(settings, quantized_from)
+    if probe:
+        log(f"no profile at {path}: a quick probe of this machine first; the full profile is measured while serving")
+        config = quick_config(config)
+    else:
+        log(f"no profile at {path}: measuring this machine first (once)")
+    profile = run_profile(config, progress=True, log=log)
+    with_quantized(profile, quantized_from).save(path)
+    log(f"{'provisional profile' if probe else 'profile'} written to {path}")
+    return path
+
+
+def profile_config(settings: ServiceSettings, quantized_from: Path | None = None) -> ProfileConfig:
+    """The full measurement of what the backends will run, in the settings' (decided) dtype."""
+    from profiler.profiling import ProfileConfig, batches_up_to
 
     b = settings.backend
-    log(f"no profile at {path}: measuring this machine first (once)")
-    config = ProfileConfig(
+    return ProfileConfig(
         model=b.model,
         dtype=b.dtype,
         device=b.device,
@@ -79,15 +116,176 @@ def ensure_profile(
         batches=batches_up_to(b.max_batch),  # the largest batch a replica will run
         quantization=[] if quantized_from else [b.quantization],
     )
-    profile = run_profile(config, progress=True, log=log)
-    if quantized_from is not None:
-        source = Profile.load(quantized_from)
-        profile = profile.model_copy(
-            update={"quantized": source.quantized, "quantized_others": source.quantized_others}
+
+
+def with_quantized(profile: Profile, quantized_from: Path | None) -> Profile:
+    """The profile with the quantized measurements of the profile at `quantized_from` (if given)."""
+    if quantized_from is None:
+        return profile
+    source = Profile.load(quantized_from)
+    return profile.model_copy(update={"quantized": source.quantized, "quantized_others": source.quantized_others})
+
+
+@dataclass(frozen=True)
+class ProfileJob:
+    """One full measurement that replaces a provisional profile."""
+
+    config: ProfileConfig
+    path: Path
+    quantized_from: Path | None = None
+
+
+def completion_jobs(settings: ServiceSettings, paths: list[Path]) -> list[ProfileJob]:
+    """The full measurements of the provisional profiles among `paths` (as `ensure_profiles`
+    returns them: float32 first, whose quantized measurements the others take), in that order."""
+    jobs = []
+    for i, path in enumerate(paths):
+        profile = Profile.load(path)
+        if profile.provisional:
+            source = paths[0] if i else None
+            config = profile_config(settings.with_dtype(profile.model.dtype), source)
+            jobs.append(ProfileJob(config, path, source))
+    return jobs
+
+
+class BackgroundProfile:
+    """The full profiles measured one after another, each in a child process that `poll` pauses
+    (SIGSTOP) while requests are in flight and resumes (SIGCONT) once the service has been idle for
+    IDLE_BEFORE_RESUME_S: on a small machine a profiler beside a request would slow the request
+    down, and its own timings with it. A pass the pause or a request cut into only reads slower,
+    and the profiler keeps the fastest of its tries; the context curve's time budget is read on a
+    clock that stands still while paused."""
+
+    def __init__(
+        self, jobs: list[ProfileJob], log: Callable[[str], None] = print, measure: Callable[..., None] | None = None
+    ):
+        """`measure`: what the child runs (default: `_measure_full`; tests give a stand-in)."""
+        self.jobs, self.log, self.measure = list(jobs), log, measure or _measure_full
+        self.context = multiprocessing.get_context("spawn")  # a fresh interpreter: no Ray, no threads inherited
+        self.process: multiprocessing.process.BaseProcess | None = None
+        self.job: ProfileJob | None = None
+        self.paused_s = self.context.RawValue("d", 0.0)  # seconds the running child spent stopped
+        self.stopped_at: float | None = None
+        self.idle_since: float | None = None
+        self.started_at = time.monotonic()
+
+    @property
+    def done(self) -> bool:
+        return self.process is None and not self.jobs
+
+    def poll(self, busy: bool) -> ProfileJob | None:
+        """Pause or resume the running measurement for `busy`; start the next when one ends. The
+        job whose profile was just finished, if one was."""
+        finished = self._reap()
+        if self.process is None and self.jobs:
+            self._start(self.jobs.pop(0))
+        now = time.monotonic()
+        if busy:
+            self.idle_since = None
+            self._pause(now)
+        else:
+            self.idle_since = self.idle_since or now
+            if now - self.idle_since >= IDLE_BEFORE_RESUME_S:
+                self._resume(now)
+        return finished
+
+    def stop(self) -> None:
+        """End the running child (a stopped one is continued first so it can exit)."""
+        process, self.jobs = self.process, []
+        self.process = None
+        if process is None or not process.is_alive():
+            return
+        process.terminate()
+        _signal(process, signal.SIGCONT)
+        process.join(5)
+        if process.is_alive():
+            process.kill()
+            process.join(5)
+
+    def _start(self, job: ProfileJob) -> None:
+        log_path = job.path.with_suffix(".log")
+        self.paused_s.value, self.stopped_at, self.job = 0.0, None, job
+        self.process = self.context.Process(
+            target=self.measure,
+            args=(job.config.model_dump_json(), str(job.path), job.quantized_from, str(log_path), self.paused_s),
+            name="specroute-profile",
+            daemon=True,
         )
-    profile.save(path)
-    log(f"profile written to {path}")
-    return path
+        self.process.start()
+        self.started_at = time.monotonic()
+        self.log(
+            f"measuring the full {job.config.dtype} profile in the background, paused while requests are in "
+            f"flight (progress: {log_path})"
+        )
+
+    def _reap(self) -> ProfileJob | None:
+        process, job = self.process, self.job
+        if process is None or process.is_alive() or job is None:
+            return None
+        self.process = self.job = None
+        if process.exitcode != 0 or not _finished(job.path):
+            log_path = job.path.with_suffix(".log")
+            self.log(f"the full {job.config.dtype} profile failed (exit {process.exitcode}; see {log_path})")
+            return None
+        took, paused = time.monotonic() - self.started_at, self.paused_s.value
+        self.log(
+            f"full {job.config.dtype} profile written to {job.path} after {took / 60:.1f} min "
+            f"({paused / 60:.1f} min of it paused for requests)"
+        )
+        return job
+
+    def _pause(self, now: float) -> None:
+        if self.process is not None and self.stopped_at is None:
+            _signal(self.process, signal.SIGSTOP)
+            self.stopped_at = now
+
+    def _resume(self, now: float) -> None:
+        if self.process is not None and self.stopped_at is not None:
+            self.paused_s.value += now - self.stopped_at  # before the child runs again and reads its clock
+            self.stopped_at = None
+            _signal(self.process, signal.SIGCONT)
+
+
+def _finished(path: Path) -> bool:
+    try:
+        return not Profile.load(path).provisional
+    except ProfileError:
+        return False
+
+
+def _signal(process: multiprocessing.process.BaseProcess, signum: int) -> None:
+    if process.pid is not None:
+        try:
+            os.kill(process.pid, signum)
+        except ProcessLookupError:  # it has just ended
+            pass
+
+
+def _measure_full(config_json: str, path: str, quantized_from: Path | None, log_path: str, paused_s: Any) -> None:
+    """The child: one full profile, its output to `log_path`, written where the provisional one is."""
+    _end_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the parent ends this child
+    with open(log_path, "w", encoding="utf-8") as out:
+        os.dup2(out.fileno(), 1)
+        os.dup2(out.fileno(), 2)
+    sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
+    from profiler.profiling import ProfileConfig, run_profile
+
+    config = ProfileConfig.model_validate_json(config_json)
+    profile = run_profile(config, progress=True, clock=lambda: time.perf_counter() - paused_s.value)
+    with_quantized(profile, quantized_from).save(Path(path))
+    print(f"full profile written to {path}")
+
+
+def _end_with_parent() -> None:
+    """Linux: this process gets SIGKILL when the one that started it dies, so a killed service
+    leaves no profiler behind."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
 
 
 def start_ray(num_cpus: int | None = None, metrics_export_port: int | None = None) -> str:
@@ -123,16 +321,23 @@ def ray_metrics_url() -> str:
     return f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics"
 
 
-def serve_config(settings: ServiceSettings, policy: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The Serve config `serve run deploy/serve.yaml` would apply, for these settings and policy."""
+def serve_config(
+    settings: ServiceSettings, policy: dict[str, Any] | None = None, profile: Path | None = None
+) -> dict[str, Any]:
+    """The Serve config `serve run deploy/serve.yaml` would apply, for these settings and policy;
+    `profile`: a profile file the Router switches to (a finished one replacing the provisional
+    profile it started with — the same application otherwise, so Serve reconfigures in place)."""
     app: dict[str, Any] = {
         "name": APP_NAME,
         "route_prefix": "/",
         "import_path": "router.service:app_builder",
         "args": settings.model_dump(mode="json"),
     }
-    if policy is not None:
-        app["deployments"] = [{"name": "Router", "user_config": {"policy": policy}}]
+    user_config = {"policy": policy} if policy is not None else {}
+    if profile is not None:
+        user_config["profile"] = str(profile)
+    if user_config:
+        app["deployments"] = [{"name": "Router", "user_config": user_config}]
     return {"applications": [app]}
 
 
@@ -194,26 +399,53 @@ def serve_forever(settings: ServiceSettings, host: str, port: int, policy_file: 
     policy = config.model_dump(mode="json") if config else None
     if settings.backend.model in ("embedded", "default"):
         prepare_embedded_model()
-    ensure_profiles(settings)
+    paths = ensure_profiles(settings, probe=True)
     settings = resolve_dtype(settings, config)
     print(f"serving in {settings.backend.dtype}: {settings.dtype_choice.reason}", flush=True)  # type: ignore[union-attr]
     check_profile(settings)
+    jobs = completion_jobs(settings, paths)
     temp_dir = start_ray()
     stop = _stop_on_signals()  # after ray.init, which installs handlers of its own
+    background = BackgroundProfile(jobs, log=lambda line: print(line, flush=True))
     try:
         print(f"starting specroute on {host}:{port} (loading the backends takes a minute)…", flush=True)
         url = deploy(settings, host, port, policy)
         print(f"specroute is serving at {url}/v1 (OpenAI-compatible; /healthz, /v1/advise). Ctrl-C stops it.")
         print(f"metrics: {url}/metrics (Prometheus text format: the router and each backend's step loop)")
         print(f"         {ray_metrics_url()} (Ray's export: every replica's series, prefixed ray_)", flush=True)
+        served, busy = settings.profile_path(), router_busy()
         while not stop():
-            time.sleep(0.5)
+            if background.done:
+                time.sleep(0.5)
+                continue
+            finished = background.poll(busy())
+            if finished is not None and finished.path == served:
+                apply_config(serve_config(settings, policy, profile=served))
+                print("the service now routes with the full profile", flush=True)
+            time.sleep(POLL_S)
     except KeyboardInterrupt:
         pass
     finally:
+        background.stop()
         shutdown(temp_dir)
         print("specroute stopped")
     return 0
+
+
+def router_busy() -> Callable[[], bool]:
+    """Whether the Router has requests in flight, asked through its handle (when it cannot say, it
+    counts as busy: a profiler must not compete with requests nobody can see)."""
+    from ray import serve
+
+    handle = serve.get_app_handle(APP_NAME)
+
+    def busy() -> bool:
+        try:
+            return handle.in_flight.remote().result(timeout_s=IN_FLIGHT_TIMEOUT_S) > 0
+        except Exception:
+            return True
+
+    return busy
 
 
 def shutdown(temp_dir: str | None = None) -> None:

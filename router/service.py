@@ -159,6 +159,7 @@ class Router:
             profile, policy, tokenizer, pool, s.limits, ServiceMetrics(), s.backend.drafters, s.dtype_choice
         )
         install(app, self.core, profile.model.name, s.api_key or os.environ.get("SPECROUTE_API_KEY") or None)
+        self.quantization = s.backend.quantization
 
     def check_health(self) -> None:
         """Serve's periodic probe: this replica's app must serve this replica's core (the route
@@ -167,9 +168,17 @@ class Router:
             raise RuntimeError("the HTTP app does not serve this replica's router core")
 
     def reconfigure(self, config: dict[str, Any]) -> None:
-        """A new `user_config`: its `policy` replaces the current one if valid (kept otherwise)."""
+        """A new `user_config`: its `policy` replaces the current one if valid (kept otherwise); its
+        `profile`, a profile file on this node, replaces the profile the replica started with (how
+        `specroute serve` swaps in the full profile once measured; a bad one is refused likewise)."""
         if config and "policy" in config:
             self.core.apply_policy(config["policy"], "user_config.policy")
+        if config and config.get("profile"):
+            self.core.apply_profile(Path(config["profile"]), self.quantization)
+
+    def in_flight(self) -> int:
+        """Requests this replica is running (`specroute serve` pauses its background profiler while any are)."""
+        return sum(self.core.load.values())
 
 
 def app_builder(args: dict[str, Any]) -> serve.Application:

@@ -7,10 +7,35 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import pytest  # noqa: E402
+import torch  # noqa: E402
 
 from backends.embedded import prepare_embedded_model  # noqa: E402
 from backends.models import LoadedModel, load_model, load_tokenizer  # noqa: E402
 from backends.plain import PlainEngine  # noqa: E402
+from profiler.hardware import NO_FAST_BF16, fast_reduced_precision  # noqa: E402
+
+# Where the CPU has no bfloat16 arithmetic, bfloat16 is never served (dtype auto serves float32) and
+# every bfloat16 pass of the embedded model is emulated: a test of it takes minutes. Such tests are
+# skipped there; each property they check also runs on the tiny bfloat16 model, on every machine.
+NATIVE_BF16_ONLY = pytest.mark.skipif(
+    not fast_reduced_precision(),
+    reason=f"{NO_FAST_BF16}: bfloat16 is never served here; the tiny bfloat16 model checks the same property",
+)
+
+# The tests that start Ray (the session's Serve application, the two-node cluster) run on one
+# pytest-xdist worker, one after another: one Ray instance at a time on the service's port.
+RAY_FIXTURES = {"service", "cluster"}
+
+# `make test` runs the suite on pytest-xdist workers, one per core: each worker computes with its
+# share of the cores, so two workers on two cores do not slow each other down many times over.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if RAY_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.xdist_group("ray"))
 
 
 @pytest.fixture(scope="session")

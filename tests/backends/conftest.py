@@ -89,3 +89,10 @@ def vocab_size(tokenizer) -> int:
 @pytest.fixture(scope="session")
 def tiny_target(tokenizer, vocab_size) -> LoadedModel:
     return as_loaded(tiny_model(vocab_size, seed=1, sharpness=40.0), tokenizer)
+
+
+@pytest.fixture(scope="session")
+def tiny_target_bf16(tokenizer, vocab_size) -> LoadedModel:
+    """The tiny target in bfloat16: its passes are tiled (width-invariant) as the embedded model's are."""
+    model = tiny_model(vocab_size, seed=1, sharpness=40.0).to(torch.bfloat16)
+    return LoadedModel(model, tokenizer, describe(model, "tiny-test-llama", "bfloat16", "cpu"))

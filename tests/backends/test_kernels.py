@@ -24,6 +24,7 @@ from backends.speculative.factory import build_drafter
 from policies.drafters import DrafterConfig
 from profiler.workloads import load_prompt_set
 
+from ..conftest import NATIVE_BF16_ONLY
 from .conftest import tiny_model
 
 pytestmark = pytest.mark.skipif(not packing_available(), reason="this torch build has no oneDNN")
@@ -113,7 +114,7 @@ def test_the_real_measurement_times_both_kernels_at_every_width(home):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=NATIVE_BF16_ONLY)])
 def test_speculation_stays_token_identical_to_plain_on_either_kernel(dtype, request):
     """Whichever kernels a machine chooses, spec and plain decoding run the same ones, so the
     exactness the engine tests check on the chosen kernels holds on the other too."""

@@ -6,6 +6,8 @@ import torch
 
 from backends.kv import BlockStructure, CacheFull, PagedCache
 
+from ..conftest import NATIVE_BF16_ONLY
+
 TOL = {"atol": 1e-4, "rtol": 1e-4}
 
 
@@ -134,11 +136,13 @@ def test_feature_layers_are_the_models_own_hidden_states(loaded):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("target", ["tiny_target_bf16", pytest.param("loaded_bf16", marks=NATIVE_BF16_ONLY)])
 @pytest.mark.parametrize("context", [40, 300, 505, 1030], ids=lambda n: f"context{n}")
-def test_width_invariant_passes_give_a_token_the_same_logits_alone_or_in_a_block(loaded_bf16, context):
+def test_width_invariant_passes_give_a_token_the_same_logits_alone_or_in_a_block(target, context, request):
     """bfloat16: nine tokens fed one pass each and fed in one pass get bit-identical logits when
     every pass is a tile (here 9 wide) and its key columns whole attention splits; contexts on both
     sides of a split (512) and a block straddling one."""
+    loaded_bf16 = request.getfixturevalue(target)
     generator = torch.Generator().manual_seed(context)
     tokens = torch.randint(0, loaded_bf16.model.config.vocab_size, (context + 9,), generator=generator).tolist()
     alone, block = (PagedCache(loaded_bf16.model, 2048, tile=9) for _ in range(2))

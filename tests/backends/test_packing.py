@@ -20,8 +20,14 @@ def model_in(dtype: torch.dtype) -> nn.Module:
     return tiny_model(vocab_size=128, seed=0).to(dtype)
 
 
+NO_BF16_PACKING = pytest.mark.skipif(
+    not packing_available(torch.bfloat16),
+    reason="this CPU has no oneDNN bfloat16 linear kernels (they need AVX-512 BW/VL/DQ or AVX-NE-CONVERT)",
+)
+
+
 @torch.inference_mode()
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=NO_BF16_PACKING)])
 def test_a_packed_model_computes_what_torch_computes(dtype):
     model = model_in(dtype)
     tokens = torch.randint(0, 128, (2, 7))
@@ -57,6 +63,15 @@ def test_siblings_that_read_one_input_are_computed_in_one_product_in_any_order(m
     torch.testing.assert_close(attention.k_proj(y), nn.functional.linear(y, attention.k_proj.weight))
 
 
+@torch.inference_mode()
+def test_a_dtype_this_cpu_cannot_pack_keeps_torchs_linear(monkeypatch):
+    monkeypatch.setattr(packing, "_packs", lambda dtype: dtype != torch.bfloat16)
+    model = model_in(torch.bfloat16)
+    assert pack_linears(model) == 0 and not is_packed(model)
+    assert pack_linears(model_in(torch.float32)) == 2 * 7 + 1
+
+
+@NO_BF16_PACKING
 @torch.inference_mode()
 def test_a_bfloat16_row_is_the_same_bits_whatever_rows_share_its_product():
     model = model_in(torch.bfloat16)

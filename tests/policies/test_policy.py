@@ -283,3 +283,22 @@ def test_a_long_prompt_is_costed_at_its_own_context():
         next(c for c in d.candidates if c.backend == "speculative" and c.drafter == "ngram") for d in (short, long)
     )
     assert spec_long.v < spec_short.v or spec_long.k > spec_short.k
+
+
+def test_every_decision_with_a_provisional_profile_says_so_first():
+    full = synthetic_profile()
+    probe = full.model_copy(update={"provisional": True})
+    assert not any("provisional" in r for r in decide(features("copy"), load(1), full, policy()).reasons)
+    decision = decide(features("copy"), load(4), probe, policy())
+    assert decision.reasons[0] == probe.provisional_reason()
+    assert decision.backend == decide(features("copy"), load(4), full, policy()).backend  # the same measurements
+
+
+def test_a_provisional_profile_without_the_quantized_backend_never_routes_there():
+    probe = synthetic_profile().model_copy(update={"provisional": True})
+    decision = decide(features("prose"), load(64), probe, policy(quantization={"when_faster": True}))
+    assert decision.backend != "quantized"
+    assert (
+        "quantization: the profile has no quantized backend measured yet: not routed there until the full "
+        "profile measures it" in decision.reasons
+    )

@@ -180,3 +180,38 @@ def test_a_context_curve_with_no_batch_at_two_contexts_is_refused():
     fields["seconds"] = [[[0.1, 0.2, 0.3], [None, None, None]]]
     with pytest.raises(ValidationError, match="no batch has two measured contexts"):
         ContextCurve(**fields)
+
+
+def probe_of(profile: Profile) -> Profile:
+    """`profile` as a quick probe measures it: the target at batches 1 and 2 only, no context curve."""
+    target = profile.target
+    curve = CostCurve(batches=target.batches[:2], widths=target.widths, seconds=target.seconds[:2])
+    return profile.model_copy(update={"target": curve, "context": None, "provisional": True})
+
+
+def test_a_profile_written_before_provisional_existed_reads_as_a_full_one(tmp_path):
+    data = json.loads(synthetic_profile().model_dump_json())
+    del data["provisional"]
+    (tmp_path / "old.json").write_text(json.dumps(data))
+    loaded = Profile.load(tmp_path / "old.json")
+    assert loaded.provisional is False and loaded.provisional_reason() is None
+
+
+def test_a_provisional_profile_says_what_it_measured_and_what_is_extrapolated(tmp_path):
+    probe = probe_of(synthetic_profile(quantized_agreement=0.97))
+    probe.save(tmp_path / "probe.json")
+    assert Profile.load(tmp_path / "probe.json").provisional
+    reason = probe.provisional_reason()
+    assert reason is not None and reason.startswith("costs from a provisional profile (a quick probe: ")
+    assert "target passes at batches 1, 2 (larger ones extrapolated)" in reason
+    assert "no context curve" in reason and "prefill at 16, 256 tokens" in reason
+    assert "int4-weight-only at batches 1 to 64 (7 sizes)" in reason
+    # Past its last measured batch the curve keeps batch 2's cost per sequence.
+    assert math.isclose(probe.pass_seconds(8, 1), 4 * probe.target.at(2, 1))
+
+
+def test_a_provisional_profile_may_leave_the_quantized_backend_to_the_full_run():
+    probe = probe_of(synthetic_profile())
+    assert probe.serving("auto") is probe and "no quantized backend measured" in probe.coverage()
+    with pytest.raises(ProfileError, match="no quantized backend 'auto' measured"):
+        synthetic_profile().serving("auto")

@@ -17,8 +17,10 @@ from profiler.bench_model_fit import ModelFitConfig, render_model_fit, run_model
 from profiler.predictor import AlphaPredictor
 from profiler.profile_report import render_profile
 from profiler.profiling import (
+    PROBE_PROMPTS,
     ProfileConfig,
     default_profile_path,
+    quick_config,
     run_profile,
     seed_fits,
     seed_path,
@@ -26,6 +28,7 @@ from profiler.profiling import (
     write_seed,
 )
 from profiler.workloads import load_prompt_set
+from router.advise import Predictors
 from router.cli import main
 
 pytestmark = pytest.mark.slow
@@ -447,3 +450,20 @@ def test_the_shipped_bfloat16_seed_lets_a_bfloat16_first_start_skip_acceptance(l
         assert seed_fits(seed, config, kind, drafter.name), kind
     assert "model:SmolLM2-135M-Instruct@int4-weight-only" in {d.name for d in seed.drafters}
     assert {a.category for a in seed.acceptance} == set(load_prompt_set().categories)
+
+
+def test_a_quick_probe_is_a_provisional_profile_the_router_can_route_with(loaded):
+    """Nothing ships for these settings: the probe measures acceptance on a few prompts a category,
+    every pass in one sweep, no context curve, no quantized backend, and is marked provisional."""
+    lines: list[str] = []
+    short = SMALL.model_copy(update={"drafters": ["ngram"], "categories": ["chat", "math"]})  # short prompts
+    probe = run_profile(quick_config(short), progress=False, log=lines.append)
+    assert probe.provisional and probe.settings["probe"] is True
+    assert probe.target.batches == [1, 2] and probe.context is None and probe.prefill.widths == [64]
+    assert probe.quantized is None and probe.serving("auto") is probe
+    assert probe.predictor == []  # cross-validation scores are for the report: left to the full run
+    assert probe.settings["prompts_per_category"] == PROBE_PROMPTS and probe.settings["training_prompts"] == 0
+    assert any("the probe measures acceptance on" in line for line in lines)
+    assert len(probe.samples) == PROBE_PROMPTS * 2 and probe.categories == ["chat", "math"]
+    assert len(probe.acceptance_maps) == 1  # acceptance was measured in a run: its map comes with it
+    Predictors.from_profile(probe)  # the router refits its predictors from so few samples

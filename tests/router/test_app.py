@@ -489,6 +489,33 @@ def test_models_advise_and_each_reply_say_which_dtype_serves_and_why(tokenizer):
     assert reply["specroute"]["weights"] == "int4-weight-only"
 
 
+def test_a_provisional_profile_shows_in_healthz_models_and_every_reply(tokenizer, tmp_path):
+    """Until the full profile replaces it: /healthz stays ok and says so, /v1/models says what it
+    covers, and every reply's reasons (forced ones too) start with it; then all of that goes."""
+    probe = synthetic_profile(quantized_agreement=0.99).model_copy(update={"provisional": True})
+    app = create_app(MODEL)
+    app.state.core = core = RouterCore(probe, PolicyConfig(), tokenizer, FakePool(tokenizer), Limits(**LIMITS))
+    client = TestClient(app)
+    health = client.get("/healthz").json()
+    assert health["status"] == "ok" and health["profile_provisional"].startswith("provisional profile: target passes")
+    assert "each backend's step loop times its own passes" in health["profile_provisional"]
+    shown = client.get("/v1/models").json()["data"][0]["specroute"]["profile"]
+    assert shown["provisional"] is True and shown["note"] == health["profile_provisional"]
+    assert shown["coverage"] == probe.coverage()
+    for options in ({"category": "copy"}, {"backend": "plain"}):
+        reasons = client.post(CHAT, json=chat_body(specroute=options)).json()["specroute"]["reasons"]
+        assert reasons[0] == probe.provisional_reason()
+    advice = client.post(ADVISE, json={"prompt": "copy prompt 1", "max_tokens": 8}).json()
+    assert advice["reasons"][0] == probe.provisional_reason()
+    full = tmp_path / "full.json"
+    synthetic_profile(quantized_agreement=0.99).save(full)
+    assert core.apply_profile(full)
+    assert client.get("/healthz").json()["profile_provisional"] is None
+    assert client.get("/v1/models").json()["data"][0]["specroute"]["profile"]["provisional"] is False
+    reasons = client.post(CHAT, json=chat_body()).json()["specroute"]["reasons"]
+    assert not any("provisional" in r for r in reasons)
+
+
 # -- 3. the official openai client -----------------------------------------------------------------
 
 

@@ -13,7 +13,7 @@ from backends.streaming import StreamEvent
 from policies.config import PolicyConfig
 from router.core import Limits, RouterCore
 from router.schemas import SpecrouteOptions
-from tests.policies.profiles import synthetic_profile
+from tests.policies.profiles import in_dtype, synthetic_profile
 
 
 def one_token_result(text: str, token: int) -> GenerationResult:
@@ -213,3 +213,18 @@ def test_health_is_degraded_while_a_backend_has_no_live_replica_or_a_policy_was_
     assert not router.apply_policy({"speculation": {"enabled": "maybe"}}, "test")
     refused = asyncio.run(router.health())
     assert refused["status"] == "degraded" and "refused" in refused["problems"][0]
+
+
+def test_a_finished_profile_replaces_the_provisional_one_and_a_wrong_one_is_refused(tokenizer, tmp_path):
+    probe = synthetic_profile(quantized_agreement=0.97).model_copy(update={"provisional": True})
+    router = RouterCore(probe, PolicyConfig(), tokenizer, OnePool())
+    learned = router.predictors
+    full, other = tmp_path / "full.json", tmp_path / "other.json"
+    in_dtype(synthetic_profile(quantized_agreement=0.97), "bfloat16", 0.5).save(other)
+    assert not router.apply_profile(other)
+    assert router.profile is probe and "profiles SmolLM2-135M-Instruct in bfloat16" in router.profile_error
+    assert not router.apply_profile(tmp_path / "missing.json") and "no profile at" in router.profile_error
+    synthetic_profile(quantized_agreement=0.97).save(full)
+    assert router.apply_profile(full)
+    assert not router.profile.provisional and router.profile_error is None
+    assert router.predictors is learned  # the same samples: what the predictors learned since is kept
