@@ -164,7 +164,7 @@ class PolicyConfig(_Section):
     version: Literal[1] = Field(1, description="Schema version of this file; this specroute reads version 1.")
     speculation: SpeculationConfig = Field(default_factory=SpeculationConfig, description="Speculative decoding.")
     batching: BatchingConfig = Field(default_factory=BatchingConfig, description="Large-batch plain decoding.")
-    quantization: QuantizationConfig = Field(default_factory=QuantizationConfig, description="Quantized backend (int4/int8).")
+    quantization: QuantizationConfig = Field(default_factory=QuantizationConfig, description="The quantized backend.")
     slo: SLOConfig = Field(default_factory=SLOConfig, description="Latency targets per request.")
     bottleneck: BottleneckConfig = Field(default_factory=BottleneckConfig, description="Bottleneck classification.")
     concurrency_override: int | None = Field(
