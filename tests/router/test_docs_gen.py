@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 import types
@@ -365,3 +366,15 @@ def test_the_site_builds_strictly_and_its_front_page_renders(tmp_path):
         assert (site / page / "index.html").is_file(), page
     rendered = render(site / "index.html", tmp_path / "shot")
     assert not rendered.blank
+
+
+def test_the_readme_is_a_short_entry_whose_links_all_resolve():
+    """The README stays a page read in minutes (the reference lives in docs/): at most 250 lines,
+    the two set-up commands in it, and every relative link or image pointing at a file that exists."""
+    readme = committed("README.md")
+    assert len(readme.splitlines()) <= 250
+    assert "make run " in readme and "make test " in readme
+    targets = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", readme)
+    local = [t for t in targets if "://" not in t]
+    assert "docs/images/capacity-speedup.png" in local
+    assert [t for t in local if not (ROOT / t).exists()] == []
