@@ -112,8 +112,9 @@ class Task:
 
 
 def autocast() -> torch.autocast:
-    """bfloat16 matmuls on CPU (AMX where present) with float32 master weights."""
-    return torch.autocast("cpu", dtype=torch.bfloat16)
+    """bfloat16 matmuls on CPU (AMX where present) with float32 master weights; float32 where oneDNN
+    has no bfloat16 kernels for this CPU (AVX2 only), which would emulate each product many times slower."""
+    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def _pad(rows: Sequence[torch.Tensor], value: float | int) -> torch.Tensor:

@@ -3,9 +3,12 @@ from pydantic import ValidationError
 
 from profiler.bench_invariance import BenchInvarianceConfig, render_report, run_bench_invariance
 
+from ..conftest import NATIVE_BF16_ONLY
+
 pytestmark = pytest.mark.slow
 
 
+@NATIVE_BF16_ONLY
 def test_bench_invariance_compares_every_way_of_computing_a_request_in_every_mode(loaded_bf16):
     config = BenchInvarianceConfig(dtype="bfloat16", prompts_per_category=1, max_tokens=6, batch_sizes=[7])
     report = run_bench_invariance(config)

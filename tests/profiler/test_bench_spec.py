@@ -6,6 +6,8 @@ from pydantic import ValidationError
 from profiler.bench_spec import BenchSpecConfig, render_report, run_bench_spec
 from router.cli import main
 
+from ..conftest import NATIVE_BF16_ONLY
+
 pytestmark = pytest.mark.slow
 
 
@@ -82,6 +84,7 @@ def test_bench_spec_cli_writes_json(tmp_path, capsys, loaded):
     assert all(s["how"] == "live" for s in saved["calibration"])  # no map was fitted first
 
 
+@NATIVE_BF16_ONLY
 def test_bench_spec_in_bfloat16_runs_beside_the_float32_plain_loop(loaded_bf16):
     """The exact reference is the width-invariant plain loop; the float32 plain loop is timed in the
     same run, and every configuration's speedup over it reported."""
