@@ -31,7 +31,8 @@ from profiler.workloads import load_prompt_set
 from router.advise import Predictors
 from router.cli import main
 
-pytestmark = pytest.mark.slow
+# One worker runs the module: its fixtures measure a real profile, which two workers would each measure.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("profiling")]
 
 COPYING = ("summarization", "rag", "translation", "code")
 FREE = ("chat", "math", "qa")

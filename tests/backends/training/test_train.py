@@ -24,7 +24,8 @@ from router.cli import main
 
 from ..speculative.test_engine import PROMPTS
 
-pytestmark = pytest.mark.slow
+# One worker runs the module: its fixture trains three drafters, which two workers would each train.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("training")]
 
 
 @pytest.fixture(scope="module")
