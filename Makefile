@@ -42,7 +42,7 @@ browser:
 # are printed at the end, so that a suite creeping back up shows.
 test: model browser
 	$(BIN)/ruff check .
-	$(BIN)/pytest -n auto --dist loadgroup --durations=25
+	$(BIN)/pytest -n auto --dist loadgroup --no-loadscope-reorder --durations=25
 
 # Regenerates the reference pages (CLI, YAML schemas, metrics) and the results tables from the
 # code and docs/results/, then builds the site into site/ (a test fails when they are stale).

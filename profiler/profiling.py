@@ -74,6 +74,7 @@ PREFILL_ENOUGH_S = 3.0
 SEEDS_DIR = Path(__file__).parent / "defaults"
 # What the shipped acceptance must have been measured with to stand in for a measurement now.
 SEED_SETTINGS = ("acceptance_k", "max_tokens", "categories", "prompts_per_category")
+QUALITY_SETTINGS = ("quality_tokens", "quality_prompts")  # what shipped quality must have been measured with
 SEED_DTYPES = ("float32", "bfloat16")  # the dtypes the service serves the embedded default in
 TIMING_PROMPTS = 2  # per category, in the short run that times each drafter when acceptance ships
 TIMING_TOKENS = 24
@@ -129,6 +130,9 @@ class ProfileConfig(ModelSettings):
         "weights fit); empty: none",
     )
     quality_tokens: int = Field(32, ge=1, le=512, description="greedy tokens per prompt the quantized quality reads")
+    quality_prompts: int | None = Field(
+        None, ge=1, description="prompts per category of the held-out half the quantized quality reads (default: all)"
+    )
     acceptance: Literal["auto", "measure", "shipped"] = Field(
         "auto",
         description="auto: use the acceptance shipped for this model when it fits these settings, else measure; "
@@ -264,7 +268,7 @@ def _probe_acceptance(config: ProfileConfig, log: Callable[[str], None]) -> Prof
 
 def _shipped_quality(seed: AcceptanceSeed | None, config: ProfileConfig, method: str) -> ShippedQuality | None:
     """The seed's quality of `method`, if it was measured the way this profile would measure it."""
-    if seed is None or seed.settings.get("quality_tokens") != config.quality_tokens:
+    if seed is None or any(seed.settings.get(name) != getattr(config, name) for name in QUALITY_SETTINGS):
         return None
     return seed.quality_of(method)
 
@@ -439,7 +443,7 @@ def write_seed(profile: Profile, path: Path | None = None) -> Path:
         fingerprint=model.fingerprint,
         machine=profile.machine,
         libraries=profile.libraries,
-        settings={k: profile.settings[k] for k in (*SEED_SETTINGS, "drafter", "quality_tokens", "training_prompts")},
+        settings={k: profile.settings[k] for k in (*SEED_SETTINGS, "drafter", *QUALITY_SETTINGS, "training_prompts")},
         drafters=[DrafterName(name=d.name, kind=d.kind) for d in profile.drafters],
         acceptance=list(profile.acceptance),
         samples=list(profile.samples),
@@ -471,7 +475,7 @@ def measure_quantized(
     """The quantized backend as it will be served: (smoothed on one half of the prompt set, for
     the W8A8 methods,) its 1-token pass timed like the target's, its quality measured on the other
     half (or shipped)."""
-    calibration, evaluation = quantization_split()
+    calibration, evaluation = quantization_split(config.quality_prompts)
     engine = PlainEngine(loaded)
     calibration_ids = [engine.encode(_request(p, 1)) for p in calibration] if needs_calibration(method) else []
     with all_cores():  # an untimed pass over every calibration token: no reason to leave a core idle

@@ -26,6 +26,8 @@ NATIVE_BF16_ONLY = pytest.mark.skipif(
 # The tests that start Ray (the session's Serve application, the two-node cluster) run on one
 # pytest-xdist worker, one after another: one Ray instance at a time on the service's port.
 RAY_FIXTURES = {"service", "cluster"}
+# The groups that take longest (minutes each, measured with `make test`'s --durations), started first.
+LONGEST_GROUPS = ("ray", "profiling", "training")
 
 # `make test` runs the suite on pytest-xdist workers, one per core: each worker computes with its
 # share of the cores, so two workers on two cores do not slow each other down many times over.
@@ -33,15 +35,34 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
 
 
+def _group(item: pytest.Item) -> str:
+    """An item's pytest-xdist group: its own mark's, else its module's, so that a module's fixtures
+    (a profile, trained drafters, step costs, a report) are built on one worker, not on each."""
+    mark = item.get_closest_marker("xdist_group")
+    return mark.args[0] if mark and mark.args else item.nodeid.split("::", 1)[0]
+
+
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the xdist_group marks
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The Ray tests are one group, put first (in their own order): the longest unit of work starts
-    at once on one worker while the other works through the rest, instead of running alone at the end."""
-    ray = [item for item in items if RAY_FIXTURES & set(getattr(item, "fixturenames", ()))]
-    for item in ray:
-        item.add_marker(pytest.mark.xdist_group("ray"))
-    grouped = set(map(id, ray))
-    items[:] = ray + [item for item in items if id(item) not in grouped]
+    """Every test runs in a group (see `_group`); the Ray tests are one group. The longest groups go
+    first (the Ray group in its own order), then those that load the embedded model, then the rest:
+    the long units of work start at once and the short ones fill in at the end (`make test` keeps
+    this order with --no-loadscope-reorder)."""
+    ray = {id(item) for item in items if RAY_FIXTURES & set(getattr(item, "fixturenames", ()))}
+    groups: dict[str, list[pytest.Item]] = {}
+    for item in items:
+        name = "ray" if id(item) in ray else _group(item)
+        if not item.get_closest_marker("xdist_group") or name == "ray":
+            item.add_marker(pytest.mark.xdist_group(name))
+        groups.setdefault(name, []).append(item)
+
+    def weight(name: str) -> int:
+        if name in LONGEST_GROUPS:
+            return LONGEST_GROUPS.index(name)
+        slow = any(item.get_closest_marker("slow") for item in groups[name])
+        return len(LONGEST_GROUPS) + (0 if slow else 1)
+
+    items[:] = [item for name in sorted(groups, key=weight) for item in groups[name]]
 
 
 @pytest.fixture(scope="session")

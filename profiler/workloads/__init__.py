@@ -60,8 +60,12 @@ def load_prompt_set(name: PromptSetName = "project") -> PromptSet:
     return PromptSet.model_validate(yaml.safe_load(text))
 
 
-def quantization_split() -> tuple[list[WorkloadPrompt], list[WorkloadPrompt]]:
+def quantization_split(evaluated: int | None = None) -> tuple[list[WorkloadPrompt], list[WorkloadPrompt]]:
     """Prompts that calibrate int8 smoothing and disjoint prompts its quality is measured on:
-    alternating prompts of every category, so both halves cover every kind of text."""
-    prompts = [p for category in load_prompt_set().categories.values() for p in category.prompts]
-    return prompts[0::2], prompts[1::2]
+    alternating prompts of every category, so both halves cover every kind of text. `evaluated`:
+    the first that many of each category's evaluation prompts (default: all of them)."""
+    calibration, evaluation = [], []
+    for category in load_prompt_set().categories.values():
+        calibration += category.prompts[0::2]
+        evaluation += category.prompts[1::2][:evaluated]
+    return calibration, evaluation

@@ -47,6 +47,7 @@ SMALL = ProfileConfig(
     acceptance_k=3,
     max_tokens=24,
     quality_tokens=8,
+    quality_prompts=2,  # of 5 a category: the quality check reads the same numbers in a third of the time
     training_prompts=2,
 )
 TRAINING_CATEGORIES = ["chat", "code", "math", "qa"]  # the training set's (backends.training.prompts)
@@ -416,6 +417,11 @@ def test_a_seed_of_other_weights_or_settings_is_measured_instead(loaded, profile
     assert usable_seed(loaded, SMALL.model_copy(update={"max_tokens": 32}), lines.append) is None
     assert lines[-1] == "measuring acceptance too: it was measured with other max_tokens"
     assert usable_seed(loaded, SMALL.model_copy(update={"acceptance": "measure"}), lines.append) is None
+    # Shipped int8/int4 quality stands in only when read over the same prompts and tokens.
+    method = resolve_method(loaded, "auto")
+    assert profiling._shipped_quality(seed, SMALL, method) is not None
+    for update in ({"quality_prompts": None}, {"quality_tokens": 16}):
+        assert profiling._shipped_quality(seed, SMALL.model_copy(update=update), method) is None, update
 
 
 def test_only_a_measured_profile_of_the_embedded_default_ships(profile, shipped, tmp_path):
