@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import TrainingError
+from ..packing import packing_available
 from ..speculative.trained import DraftVocab, EagleNet, ExitAdapter, MedusaNet
 
 if TYPE_CHECKING:
@@ -113,8 +114,9 @@ class Task:
 
 def autocast() -> torch.autocast:
     """bfloat16 matmuls on CPU (AMX where present) with float32 master weights; float32 where oneDNN
-    has no bfloat16 kernels for this CPU (AVX2 only), which would emulate each product many times slower."""
-    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    has no bfloat16 kernels for this CPU (AVX2 only), which would emulate each product many times slower
+    (the same test the packed kernels make: one place decides what oneDNN runs here)."""
+    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=packing_available(torch.bfloat16))
 
 
 def _pad(rows: Sequence[torch.Tensor], value: float | int) -> torch.Tensor:
