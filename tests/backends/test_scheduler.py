@@ -165,7 +165,7 @@ def test_greedy_output_is_the_plain_engines_whatever_joins_or_leaves(tiny_target
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", EMBEDDED_KINDS)
 def test_embedded_model_greedy_output_is_the_plain_engines_whatever_joins_or_leaves(loaded, pool, references, kind):
-    _check_schedules(loaded, pool, references, kind, seeds=(0, 1) if kind == "ngram" else (1,))
+    _check_schedules(loaded, pool, references, kind, seeds=(1,))  # auto k, as served (fixed k: on the tiny target)
 
 
 def test_many_schedules_of_the_plain_loop_match_decoding_alone(tiny_target, pool, tiny_references):

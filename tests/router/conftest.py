@@ -1,4 +1,5 @@
-"""The real service, started once per test session: a local Ray instance, the Serve application
+"""The real service, started once for the tests that use it (all in this package, run one after
+another on one pytest-xdist worker, see tests/conftest.py): a local Ray instance, the Serve application
 with all three backends on the embedded model (one torch thread each), routing with a synthetic
 profile whose closed forms make the policy's choices predictable (prompt lookup α 0.8 on the
 'copy' category, a decode step of 70 ms + 2.5 ms per sequence)."""
@@ -47,7 +48,9 @@ def _settings(profile: Path) -> dict[str, Any]:
     }
 
 
-@pytest.fixture(scope="session")
+# Package scope: once those tests are done, Ray and the replicas stop, instead of idling on a share of
+# a core for the rest of the session.
+@pytest.fixture(scope="package")
 def service(loaded, tmp_path_factory) -> Iterator[Service]:  # `loaded`: the embedded model is set up
     from router.serve_cmd import deploy, shutdown, start_ray
     from router.service import ServiceSettings
