@@ -48,12 +48,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     first (the Ray group in its own order), then those that load the embedded model, then the rest:
     the long units of work start at once and the short ones fill in at the end (`make test` keeps
     this order with --no-loadscope-reorder)."""
-    ray = {id(item) for item in items if RAY_FIXTURES & set(getattr(item, "fixturenames", ()))}
     groups: dict[str, list[pytest.Item]] = {}
     for item in items:
-        name = "ray" if id(item) in ray else _group(item)
-        if not item.get_closest_marker("xdist_group") or name == "ray":
-            item.add_marker(pytest.mark.xdist_group(name))
+        name = "ray" if RAY_FIXTURES & set(getattr(item, "fixturenames", ())) else _group(item)
+        item.add_marker(pytest.mark.xdist_group(name))  # the closest mark: the one xdist reads
         groups.setdefault(name, []).append(item)
 
     def weight(name: str) -> int:

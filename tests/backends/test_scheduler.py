@@ -133,7 +133,7 @@ def _drafters(kind: str, loaded) -> list[Drafter]:
 
 def _check_schedules(loaded, pool, references, kind: str, seeds: tuple[int, ...]) -> tuple[int, int]:
     """Random schedules of `kind`'s loop against decoding alone; drafted tokens (accepted, rejected)."""
-    drafters, judged = _drafters(kind, loaded), [0, 0]
+    drafters, accepted, rejected = _drafters(kind, loaded), 0, 0
     names: list[str | None] = [d.name for d in drafters] or [None]
     for seed in seeds:  # odd seeds plan k per step (as the service does), even ones draft a fixed k
         scheduler = Scheduler(loaded, TIGHT, [d.fresh() for d in drafters], k="auto" if seed % 2 else 3)
@@ -143,9 +143,9 @@ def _check_schedules(loaded, pool, references, kind: str, seeds: tuple[int, ...]
             assert result.token_ids == references(arrival.request), f"seed {seed}, request {i}"
         assert scheduler.cache.sequences == {}  # every row left and gave its blocks back
         for totals in scheduler.drafter_totals.values():
-            judged[0] += totals.accepted_tokens
-            judged[1] += totals.draft_tokens - totals.accepted_tokens
-    return judged[0], judged[1]
+            accepted += totals.accepted_tokens
+            rejected += totals.draft_tokens - totals.accepted_tokens
+    return accepted, rejected
 
 
 # Loop logic, on the tiny target: drafts accepted in part, rejected outright, two drafters in one loop.
