@@ -20,11 +20,12 @@ Methods (`QUANT_METHODS`; the backend serves one, the profile measures each it i
 Every method leaves the embedding table and the LM head in float (the head shares its matrix with
 the embedding table and decides the argmax).
 
-Quality is measured (`measure_quality`) on prompts the calibration did not see: teacher-forced
-agreement (both models read the same text — prompts and the float target's own greedy answers —
-and we count positions where their argmax agrees, so one early divergence does not turn every
-later token into a disagreement), the perplexity delta on the prompt texts, and free-running
-greedy agreement (the share of prompts whose first greedy tokens are all identical).
+Quality is measured (`measure_quality`; the float target's side is read once, `reference_side`)
+on prompts the calibration did not see: teacher-forced agreement (both models read the same text —
+prompts and the float target's own greedy answers — and we count positions where their argmax
+agrees, so one early divergence does not turn every later token into a disagreement), the
+perplexity delta on the prompt texts, and free-running greedy agreement (the share of prompts whose
+first greedy tokens are all identical).
 """
 
 from __future__ import annotations
@@ -269,32 +270,66 @@ class Quality:
         return self.perplexity_quantized / self.perplexity - 1
 
 
+@dataclass(frozen=True)
+class Reference:
+    """The full-precision target's side of a quality measurement (`reference_side`): read once,
+    compared with any number of quantized models (the W8A8 methods, a profile's several methods)."""
+
+    requests: tuple[GenerationRequest, ...]
+    prompts: tuple[tuple[int, ...], ...]  # each request's prompt tokens
+    answers: tuple[tuple[int, ...], ...]  # the reference's greedy answers
+    argmax: tuple[torch.Tensor, ...]  # its teacher-forced next-token argmax over prompt + answer
+    texts: tuple[str, ...]
+    perplexity: float
+
+
+@torch.inference_mode()
+def reference_side(reference: LoadedModel, requests: Sequence[GenerationRequest], texts: Sequence[str]) -> Reference:
+    """The reference answers every (greedy) request, max_tokens tokens each; its prompt + answer is
+    the teacher-forced text; `texts`: raw texts for perplexity."""
+    engine = PlainEngine(reference)
+    prompts = [engine.encode(r) for r in requests]
+    answers = [a.token_ids for a in engine.generate(requests)]
+    argmax = [
+        reference.model(input_ids=torch.tensor([p + a])).logits[0, :-1].argmax(-1)
+        for p, a in zip(prompts, answers, strict=True)
+    ]
+    return Reference(
+        requests=tuple(requests),
+        prompts=tuple(map(tuple, prompts)),
+        answers=tuple(map(tuple, answers)),
+        argmax=tuple(argmax),
+        texts=tuple(texts),
+        perplexity=perplexity(reference, texts),
+    )
+
+
 @torch.inference_mode()
 def measure_quality(
-    reference: LoadedModel, quantized: LoadedModel, requests: Sequence[GenerationRequest], texts: Sequence[str]
+    reference: LoadedModel | Reference,
+    quantized: LoadedModel,
+    requests: Sequence[GenerationRequest] = (),
+    texts: Sequence[str] = (),
 ) -> Quality:
-    """Both models answer every (greedy) request, max_tokens tokens each: the free-running tokens compared;
-    the reference's prompt + answer is the teacher-forced text; `texts`: raw texts for perplexity."""
-    ref_engine = PlainEngine(reference)
-    prompts = [ref_engine.encode(r) for r in requests]
-    ref_answers = [a.token_ids for a in ref_engine.generate(requests)]
-    quant_answers = [a.token_ids for a in PlainEngine(quantized).generate(requests)]
+    """The quantized model answers the same requests (its free-running tokens compared with the
+    reference's) and reads the reference's prompt + answer (teacher-forced argmax compared); a
+    `LoadedModel` reference is read first on `requests` and `texts` (see `reference_side`)."""
+    ref = reference if isinstance(reference, Reference) else reference_side(reference, requests, texts)
+    answers = [tuple(a.token_ids) for a in PlainEngine(quantized).generate(list(ref.requests))]
     agree = positions = 0
-    for prompt, answer in zip(prompts, ref_answers, strict=True):
-        tokens = torch.tensor([prompt + answer])
-        a = reference.model(input_ids=tokens).logits[0, :-1].argmax(-1)
-        b = quantized.model(input_ids=tokens).logits[0, :-1].argmax(-1)
-        agree += int((a == b).sum())
-        positions += a.numel()
-    same = sum(a == b for a, b in zip(ref_answers, quant_answers, strict=True))
+    for prompt, answer, expected in zip(ref.prompts, ref.answers, ref.argmax, strict=True):
+        got = quantized.model(input_ids=torch.tensor([prompt + answer])).logits[0, :-1].argmax(-1)
+        agree += int((got == expected).sum())
+        positions += got.numel()
+    same = sum(a == b for a, b in zip(ref.answers, answers, strict=True))
     return Quality(
         agreement=agree / max(positions, 1),
         positions=positions,
-        perplexity=perplexity(reference, texts),
-        perplexity_quantized=perplexity(quantized, texts),
-        greedy_match=same / max(len(requests), 1),
-        greedy_tokens=max((r.max_tokens for r in requests), default=0),
-        prompts=len(requests),
+        perplexity=ref.perplexity,
+        perplexity_quantized=perplexity(quantized, ref.texts),
+        greedy_match=same / max(len(ref.requests), 1),
+        greedy_tokens=max((r.max_tokens for r in ref.requests), default=0),
+        prompts=len(ref.requests),
     )
 
 

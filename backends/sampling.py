@@ -85,8 +85,11 @@ def draw(probs: torch.Tensor, generators: Sequence[torch.Generator]) -> torch.Te
     targets = (uniforms * cdf[:, -1]).unsqueeze(1)
     tokens = torch.searchsorted(cdf, targets, right=True).squeeze(1)
     # Rounding could still land past the end; fall back to the last token p allows, never a zero one.
-    last_allowed = (probs > 0).cumsum(dim=-1).argmax(dim=-1)
-    return torch.minimum(tokens, last_allowed)
+    # (A hit inside the vocabulary is always an allowed token, so only those rows need the scan.)
+    past = tokens >= probs.shape[-1]
+    if past.any():
+        tokens = torch.where(past, (probs > 0).cumsum(dim=-1).argmax(dim=-1), tokens)
+    return tokens
 
 
 def _one_hot_argmax(logits: torch.Tensor) -> torch.Tensor:
@@ -97,19 +100,19 @@ def _one_hot_argmax(logits: torch.Tensor) -> torch.Tensor:
 def _filtered_softmax(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     """softmax(logits / T) restricted to each row's top-k and top-p set, renormalised."""
     temperature = torch.tensor([p.temperature for p in params], device=logits.device).unsqueeze(1)
-    # Shift by the max first: the top logit stays 0, so a tiny temperature gives -inf elsewhere
-    # (the greedy limit) instead of inf - inf = NaN.
-    scaled = (logits - logits.max(dim=-1, keepdim=True).values) / temperature
-    if all(p.top_k == 0 and p.top_p == 1.0 for p in params):
-        return torch.softmax(scaled, dim=-1)
-    vocab = scaled.shape[-1]
+    vocab = logits.shape[-1]
     top_k = torch.tensor([p.top_k or vocab for p in params], device=logits.device).unsqueeze(1)
-    top_p = torch.tensor([p.top_p for p in params], device=logits.device, dtype=torch.float64).unsqueeze(1)
     if all(p.top_k for p in params):
-        # Only the top_k best can survive: rank those few instead of sorting the whole vocabulary.
-        sorted_logits, order = scaled.topk(min(int(top_k.max()), vocab), dim=-1)
+        # Only the top_k best can survive: rank those few on the raw logits (scaling keeps their
+        # order) and scale only them, instead of sorting or scaling the whole vocabulary.
+        best, order = logits.topk(min(int(top_k.max()), vocab), dim=-1)
+        sorted_logits, scaled = _scaled(best, best[:, :1], temperature), None
     else:
+        scaled = _scaled(logits, logits.max(dim=-1, keepdim=True).values, temperature)
+        if all(p.top_k == 0 and p.top_p == 1.0 for p in params):
+            return torch.softmax(scaled, dim=-1)
         sorted_logits, order = scaled.sort(dim=-1, descending=True)
+    top_p = torch.tensor([p.top_p for p in params], device=logits.device, dtype=torch.float64).unsqueeze(1)
     ranks = torch.arange(sorted_logits.shape[-1], device=logits.device).unsqueeze(0)
     removed = ranks >= top_k
     sorted_probs = torch.softmax(sorted_logits.masked_fill(removed, float("-inf")), dim=-1).double()
@@ -118,8 +121,14 @@ def _filtered_softmax(logits: torch.Tensor, params: Sequence[SamplingParams]) ->
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
     removed |= (mass_before >= top_p) & (top_p < 1.0)
     removed[:, 0] = False
-    if sorted_logits.shape[-1] < vocab:  # top-k: every kept token is among the ranked few
+    if scaled is None:  # top-k: every kept token is among the ranked few
         kept = torch.softmax(sorted_logits.masked_fill(removed, float("-inf")), dim=-1)
-        return torch.zeros_like(scaled).scatter_(-1, order, kept)
+        return torch.zeros_like(logits).scatter_(-1, order, kept)
     mask = torch.ones_like(scaled, dtype=torch.bool).scatter_(-1, order, removed)
     return torch.softmax(scaled.masked_fill(mask, float("-inf")), dim=-1)
+
+
+def _scaled(logits: torch.Tensor, top: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """(logits − top) / T. Shift by the row's top logit first: it stays 0, so a tiny temperature
+    gives -inf elsewhere (the greedy limit) instead of inf − inf = NaN."""
+    return (logits - top) / temperature

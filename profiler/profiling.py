@@ -11,6 +11,7 @@ measured in full."""
 
 from __future__ import annotations
 
+import functools
 import os
 import random
 import re
@@ -33,11 +34,13 @@ from backends.kv import PagedCache, kv_bytes_per_token
 from backends.models import LoadedModel, load_model
 from backends.plain import PlainEngine
 from backends.quantized import (
+    Reference,
     calibration_cache,
     max_weight_error,
     measure_quality,
     needs_calibration,
     quantize,
+    reference_side,
     resolve_method,
 )
 from backends.scheduler import LoopSettings, seeded_step_costs
@@ -231,8 +234,9 @@ def run_profile(
         drafters.append(drafter_profile(loaded, drafter, kind, config, in_run, progress))
     methods = list(dict.fromkeys(resolve_method(loaded, choice) for choice in config.quantization))
     qualities = [_shipped_quality(seed, config, method) for method in methods]
+    reference = functools.cache(lambda: quality_reference(loaded, config))  # read once for every method
     quantized = [
-        measure_quantized(loaded, config, method, progress, quality)
+        measure_quantized(loaded, config, method, progress, quality, reference)
         for method, quality in zip(methods, qualities, strict=True)
     ]
     return Profile(
@@ -471,11 +475,12 @@ def measure_quantized(
     method: str,
     progress: bool,
     shipped: ShippedQuality | None = None,
+    reference: Callable[[], Reference] | None = None,
 ) -> QuantizedProfile:
     """The quantized backend as it will be served: (smoothed on one half of the prompt set, for
     the W8A8 methods,) its 1-token pass timed like the target's, its quality measured on the other
-    half (or shipped)."""
-    calibration, evaluation = quantization_split(config.quality_prompts)
+    half (or shipped); `reference`: the float target's side of that measurement, when it is shared."""
+    calibration, _ = quantization_split(config.quality_prompts)
     engine = PlainEngine(loaded)
     calibration_ids = [engine.encode(_request(p, 1)) for p in calibration] if needs_calibration(method) else []
     with all_cores():  # an untimed pass over every calibration token: no reason to leave a core idle
@@ -494,16 +499,23 @@ def measure_quantized(
             perplexity_delta=shipped.perplexity_delta,
             greedy_match=shipped.greedy_match,
         )
-    requests = [_request(p, config.quality_tokens) for p in evaluation]
-    texts = [m.content for p in evaluation for m in p.messages]
+    ref = reference() if reference is not None else quality_reference(loaded, config)
     with all_cores():  # untimed, and the slowest part of a first start without shipped quality
-        quality = measure_quality(loaded, quantized, requests, texts)
+        quality = measure_quality(ref, quantized)
     return QuantizedProfile(
         **measured,
         agreement=quality.agreement,
         perplexity_delta=quality.perplexity_delta,
         greedy_match=quality.greedy_match,
     )
+
+
+def quality_reference(loaded: LoadedModel, config: ProfileConfig) -> Reference:
+    """The float target's answers, teacher-forced argmax and perplexity on the held-out half."""
+    _, evaluation = quantization_split(config.quality_prompts)
+    requests = [_request(p, config.quality_tokens) for p in evaluation]
+    with all_cores():
+        return reference_side(loaded, requests, [m.content for p in evaluation for m in p.messages])
 
 
 def _request(prompt: WorkloadPrompt, max_tokens: int) -> GenerationRequest:
