@@ -1,15 +1,24 @@
-"""Tiny randomly initialised Llama models with the embedded model's tokenizer and vocabulary:
-fast enough for thousands of sampled generations, real enough to exercise every code path."""
+"""Tiny randomly initialised Llama models with a small byte-level BPE vocabulary trained in the test
+session (the embedded tokenizer's special tokens and chat template): fast enough for thousands of
+sampled generations, real enough to exercise every code path."""
 
 import copy
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from backends.models import LoadedModel, describe
 from backends.speculative.drafters import NgramDrafter, Proposal, build_ngram
 from policies.drafters import DrafterConfig
+from profiler.workloads import load_prompt_set
+
+# The tiny models' vocabulary: the 256 bytes, the special tokens and merges learnt from the prompt
+# set. Their every vocabulary-wide operation (LM head, softmax, q and p, residuals, the CDF a token
+# is drawn from) then costs a hundredth of the embedded model's 49,152 tokens, which dominated the
+# χ² tests' time; what the tests check does not depend on the vocabulary's size.
+TINY_VOCAB = 512
 
 
 def tiny_model(vocab_size: int, seed: int, sharpness: float = 1.0) -> LlamaForCausalLM:
@@ -81,18 +90,46 @@ def as_loaded(model: LlamaForCausalLM, tokenizer) -> LoadedModel:
     return LoadedModel(model, tokenizer, describe(model, "tiny-test-llama", "float32", "cpu"))
 
 
-@pytest.fixture(scope="session")
-def vocab_size(tokenizer) -> int:
-    return len(tokenizer)  # the embedded model's LM head has a row per token
+def small_tokenizer(like: PreTrainedTokenizerBase, size: int = TINY_VOCAB) -> PreTrainedTokenizerFast:
+    """A byte-level BPE of `size` tokens learnt from the prompt set, with `like`'s special tokens
+    (at the same ids, first) and chat template: chats and stop tokens work as with `like`."""
+    specials = [token.content for _, token in sorted(like.added_tokens_decoder.items()) if token.special]
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=size,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    texts = [m.content for c in load_prompt_set().categories.values() for p in c.prompts for m in p.messages]
+    bpe.train_from_iterator(texts, trainer)
+    named = {name: getattr(like, name) for name in ("bos_token", "eos_token", "unk_token", "pad_token")}
+    return PreTrainedTokenizerFast(
+        tokenizer_object=bpe,
+        chat_template=like.chat_template,
+        **{name: token for name, token in named.items() if token is not None},
+    )
 
 
 @pytest.fixture(scope="session")
-def tiny_target(tokenizer, vocab_size) -> LoadedModel:
-    return as_loaded(tiny_model(vocab_size, seed=1, sharpness=40.0), tokenizer)
+def tiny_tokenizer(tokenizer) -> PreTrainedTokenizerFast:
+    return small_tokenizer(tokenizer)
 
 
 @pytest.fixture(scope="session")
-def tiny_target_bf16(tokenizer, vocab_size) -> LoadedModel:
+def vocab_size(tiny_tokenizer) -> int:
+    return len(tiny_tokenizer)  # the tiny models' LM head has a row per token
+
+
+@pytest.fixture(scope="session")
+def tiny_target(tiny_tokenizer, vocab_size) -> LoadedModel:
+    return as_loaded(tiny_model(vocab_size, seed=1, sharpness=40.0), tiny_tokenizer)
+
+
+@pytest.fixture(scope="session")
+def tiny_target_bf16(tiny_tokenizer, vocab_size) -> LoadedModel:
     """The tiny target in bfloat16: its passes are tiled (width-invariant) as the embedded model's are."""
     model = tiny_model(vocab_size, seed=1, sharpness=40.0).to(torch.bfloat16)
-    return LoadedModel(model, tokenizer, describe(model, "tiny-test-llama", "bfloat16", "cpu"))
+    return LoadedModel(model, tiny_tokenizer, describe(model, "tiny-test-llama", "bfloat16", "cpu"))
