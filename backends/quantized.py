@@ -305,16 +305,9 @@ def reference_side(reference: LoadedModel, requests: Sequence[GenerationRequest]
 
 
 @torch.inference_mode()
-def measure_quality(
-    reference: LoadedModel | Reference,
-    quantized: LoadedModel,
-    requests: Sequence[GenerationRequest] = (),
-    texts: Sequence[str] = (),
-) -> Quality:
-    """The quantized model answers the same requests (its free-running tokens compared with the
-    reference's) and reads the reference's prompt + answer (teacher-forced argmax compared); a
-    `LoadedModel` reference is read first on `requests` and `texts` (see `reference_side`)."""
-    ref = reference if isinstance(reference, Reference) else reference_side(reference, requests, texts)
+def measure_quality(ref: Reference, quantized: LoadedModel) -> Quality:
+    """The quantized model answers the reference's requests (its free-running tokens compared with
+    the reference's) and reads the reference's prompt + answer (teacher-forced argmax compared)."""
     answers = [tuple(a.token_ids) for a in PlainEngine(quantized).generate(list(ref.requests))]
     agree = positions = 0
     for prompt, answer, expected in zip(ref.prompts, ref.answers, ref.argmax, strict=True):

@@ -102,11 +102,12 @@ def _filtered_softmax(logits: torch.Tensor, params: Sequence[SamplingParams]) ->
     temperature = torch.tensor([p.temperature for p in params], device=logits.device).unsqueeze(1)
     vocab = logits.shape[-1]
     top_k = torch.tensor([p.top_k or vocab for p in params], device=logits.device).unsqueeze(1)
-    if all(p.top_k for p in params):
+    ranked_few = all(p.top_k for p in params)
+    if ranked_few:
         # Only the top_k best can survive: rank those few on the raw logits (scaling keeps their
         # order) and scale only them, instead of sorting or scaling the whole vocabulary.
         best, order = logits.topk(min(int(top_k.max()), vocab), dim=-1)
-        sorted_logits, scaled = _scaled(best, best[:, :1], temperature), None
+        sorted_logits = _scaled(best, best[:, :1], temperature)
     else:
         scaled = _scaled(logits, logits.max(dim=-1, keepdim=True).values, temperature)
         if all(p.top_k == 0 and p.top_p == 1.0 for p in params):
@@ -121,7 +122,7 @@ def _filtered_softmax(logits: torch.Tensor, params: Sequence[SamplingParams]) ->
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
     removed |= (mass_before >= top_p) & (top_p < 1.0)
     removed[:, 0] = False
-    if scaled is None:  # top-k: every kept token is among the ranked few
+    if ranked_few:  # every kept token is among them
         kept = torch.softmax(sorted_logits.masked_fill(removed, float("-inf")), dim=-1)
         return torch.zeros_like(logits).scatter_(-1, order, kept)
     mask = torch.ones_like(scaled, dtype=torch.bool).scatter_(-1, order, removed)

@@ -474,12 +474,12 @@ def measure_quantized(
     config: ProfileConfig,
     method: str,
     progress: bool,
-    shipped: ShippedQuality | None = None,
-    reference: Callable[[], Reference] | None = None,
+    shipped: ShippedQuality | None,
+    reference: Callable[[], Reference],
 ) -> QuantizedProfile:
     """The quantized backend as it will be served: (smoothed on one half of the prompt set, for
     the W8A8 methods,) its 1-token pass timed like the target's, its quality measured on the other
-    half (or shipped); `reference`: the float target's side of that measurement, when it is shared."""
+    half (or shipped); `reference`: the float target's side of that measurement (shared between methods)."""
     calibration, _ = quantization_split(config.quality_prompts)
     engine = PlainEngine(loaded)
     calibration_ids = [engine.encode(_request(p, 1)) for p in calibration] if needs_calibration(method) else []
@@ -499,9 +499,8 @@ def measure_quantized(
             perplexity_delta=shipped.perplexity_delta,
             greedy_match=shipped.greedy_match,
         )
-    ref = reference() if reference is not None else quality_reference(loaded, config)
     with all_cores():  # untimed, and the slowest part of a first start without shipped quality
-        quality = measure_quality(ref, quantized)
+        quality = measure_quality(reference(), quantized)
     return QuantizedProfile(
         **measured,
         agreement=quality.agreement,

@@ -117,7 +117,7 @@ def test_smoothing_is_what_makes_int8_agree_with_the_target(loaded, split, refer
 
 def test_a_model_agrees_with_itself_and_keeps_its_perplexity(loaded, split):
     _, requests, _, texts = split
-    same = measure_quality(loaded, loaded, requests[:2], texts[:2])  # the reference read here, on the spot
+    same = measure_quality(reference_side(loaded, requests[:2], texts[:2]), loaded)
     assert same.agreement == 1.0 and same.greedy_match == 1.0 and same.perplexity_delta == pytest.approx(0.0)
     assert same.prompts == 2 and same.positions > 0
     assert perplexity(loaded, texts[:2]) > 1
