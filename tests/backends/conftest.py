@@ -9,7 +9,11 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
+from backends.generation import GenerationRequest
 from backends.models import LoadedModel, describe
+from backends.plain import PlainEngine
+from backends.scheduler import step_costs
+from backends.speculative.control import StepCosts
 from backends.speculative.drafters import NgramDrafter, Proposal, build_ngram
 from policies.drafters import DrafterConfig
 from profiler.workloads import load_prompt_set
@@ -111,6 +115,46 @@ def small_tokenizer(like: PreTrainedTokenizerBase, size: int = TINY_VOCAB) -> Pr
         chat_template=like.chat_template,
         **{name: token for name, token in named.items() if token is not None},
     )
+
+
+# The real-model engine tests' prompts: copying and free text, chat and raw, of different lengths.
+COPY_TEXT = (
+    "The Riverside library will close on March 3 for renovations. The children's room moves to the "
+    "community hall on Elm Street, and returns are accepted at the front desk of the town office."
+)
+
+
+def _chat(text: str, max_tokens: int = 24, system: str | None = None, **kwargs) -> GenerationRequest:
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
+    return GenerationRequest(messages=messages, max_tokens=max_tokens, **kwargs)
+
+
+PROMPTS = [
+    _chat(f"Repeat this text exactly: {COPY_TEXT}"),
+    GenerationRequest(prompt="def fibonacci(n):", max_tokens=24),
+    GenerationRequest(prompt="1, 2, 3, 4, 5,", max_tokens=24),
+    _chat("What is the capital of France?"),
+    GenerationRequest(prompt="Once upon a time in a land far away, there lived a", max_tokens=24),
+    _chat("Give me one tip for sleeping better.", system="You are a concise assistant."),
+    GenerationRequest(prompt="The chemical symbol for gold is", max_tokens=24),
+    _chat(f"Summarize in one sentence, reusing its words: {COPY_TEXT}"),
+]
+
+
+@pytest.fixture(scope="session")
+def plain_outputs(engine: PlainEngine) -> list[list[int]]:
+    """The plain engine's greedy tokens for each of PROMPTS decoded alone: what every real-model
+    speculative test must reproduce (read once a session)."""
+    return [engine.generate([r])[0].token_ids for r in PROMPTS]
+
+
+@pytest.fixture(scope="session")
+def costs(loaded) -> StepCosts:
+    """The embedded model's step-cost table for loops up to k_max 8, probed once a session (each
+    batch bucket on first use) and shared by the real-model loops of these tests: the table depends
+    only on the target, and greedy tokens never depend on it. (Each probe of a bucket at nine widths
+    took 3-13 s here; every engine probing its own took a minute of the suite.)"""
+    return step_costs(loaded, max_width=9)
 
 
 @pytest.fixture(scope="session")

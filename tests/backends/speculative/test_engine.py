@@ -17,42 +17,11 @@ from backends.speculative.engine import SpeculativeEngine, step_costs
 from backends.speculative.stats import SpeculationStats
 from policies.cost_model import expected_tokens
 
-from ..conftest import perturbed, tiny_model
+from ..conftest import COPY_TEXT, PROMPTS, _chat, perturbed, tiny_model
 
 pytestmark = pytest.mark.slow
 
-COPY_TEXT = (
-    "The Riverside library will close on March 3 for renovations. The children's room moves to the "
-    "community hall on Elm Street, and returns are accepted at the front desk of the town office."
-)
-
-
-def _chat(text: str, max_tokens: int = 24, system: str | None = None, **kwargs) -> GenerationRequest:
-    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
-    return GenerationRequest(messages=messages, max_tokens=max_tokens, **kwargs)
-
-
-PROMPTS = [
-    _chat(f"Repeat this text exactly: {COPY_TEXT}"),
-    GenerationRequest(prompt="def fibonacci(n):", max_tokens=24),
-    GenerationRequest(prompt="1, 2, 3, 4, 5,", max_tokens=24),
-    _chat("What is the capital of France?"),
-    GenerationRequest(prompt="Once upon a time in a land far away, there lived a", max_tokens=24),
-    _chat("Give me one tip for sleeping better.", system="You are a concise assistant."),
-    GenerationRequest(prompt="The chemical symbol for gold is", max_tokens=24),
-    _chat(f"Summarize in one sentence, reusing its words: {COPY_TEXT}"),
-]
 KS = [1, 3, 8, "auto"]
-
-
-@pytest.fixture(scope="module")
-def costs(loaded):
-    return step_costs(loaded, max_width=9)  # probed once for every engine in this module
-
-
-@pytest.fixture(scope="module")
-def plain_outputs(engine):
-    return [engine.generate([r])[0].token_ids for r in PROMPTS]
 
 
 def _drafter(kind: str, loaded) -> Drafter:

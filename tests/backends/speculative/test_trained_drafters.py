@@ -10,7 +10,7 @@ from backends.generation import GenerationRequest
 from backends.models import load_model
 from backends.plain import PlainEngine
 from backends.sampling import SamplingParams
-from backends.speculative.engine import SpeculativeEngine, step_costs
+from backends.speculative.engine import SpeculativeEngine
 from backends.speculative.factory import build_drafter
 from backends.speculative.trained import (
     DEFAULTS_DIR,
@@ -28,21 +28,12 @@ from backends.training.loops import EagleTask
 from backends.training.train import TrainConfig, choose_draft_vocab, fit, to_sequences
 from policies.drafters import DrafterConfig
 
-from .test_engine import PROMPTS, _exact_joint, _matches_target, _sample_pairs
+from ..conftest import PROMPTS
+from .test_engine import _exact_joint, _matches_target, _sample_pairs
 
 pytestmark = pytest.mark.slow
 
 TRAINED = ["eagle", "medusa", "early-exit-adapter"]
-
-
-@pytest.fixture(scope="module")
-def costs(loaded):
-    return step_costs(loaded, max_width=9)
-
-
-@pytest.fixture(scope="module")
-def plain_outputs(engine):
-    return [engine.generate([r])[0].token_ids for r in PROMPTS]
 
 
 @pytest.fixture(scope="module")

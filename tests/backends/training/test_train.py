@@ -6,7 +6,6 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from backends.plain import PlainEngine
 from backends.speculative.engine import SpeculativeEngine
 from backends.speculative.factory import build_drafter
 from backends.speculative.trained import DrafterCard
@@ -22,7 +21,7 @@ from backends.training.train import (
 from policies.drafters import TRAINED_KINDS, DrafterConfig
 from router.cli import main
 
-from ..speculative.test_engine import PROMPTS
+from ..conftest import PROMPTS
 
 # One worker runs the module: its fixture trains three drafters, which two workers would each train.
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("training")]
@@ -86,13 +85,13 @@ def test_the_card_on_disk_is_what_training_returned(trained, kind):
 
 
 @pytest.mark.parametrize("kind", TRAINED_KINDS)
-def test_a_freshly_trained_drafter_is_lossless(loaded, trained, kind):
+def test_a_freshly_trained_drafter_is_lossless(loaded, costs, plain_outputs, trained, kind):
     path, card = trained[kind]
     drafter = build_drafter(DrafterConfig(kind=card.kind, weights=str(path.parent)), loaded)
-    engine = SpeculativeEngine(loaded, drafter, k=3)
-    requests = [PROMPTS[1], PROMPTS[3], PROMPTS[5]]
-    expected = [r.token_ids for r in PlainEngine(loaded).generate(requests)]
-    assert [r.token_ids for r in engine.generate(requests)] == expected
+    engine = SpeculativeEngine(loaded, drafter, k=3, costs=costs)
+    chosen = [1, 3, 5]
+    results = engine.generate([PROMPTS[i] for i in chosen])
+    assert [r.token_ids for r in results] == [plain_outputs[i] for i in chosen]  # each as decoded alone
 
 
 def test_the_self_distillation_cache_is_reused(loaded, trained, workdir, monkeypatch):
