@@ -45,7 +45,7 @@ def _group(item: pytest.Item) -> str:
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the xdist_group marks
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Every test runs in a group (see `_group`); the Ray tests are one group. The longest groups go
-    first (the Ray group in its own order), then those that load the embedded model, then the rest:
+    first (the Ray group with the cluster's tests first), then those that load the embedded model, then the rest:
     the long units of work start at once and the short ones fill in at the end (`make test` keeps
     this order with --no-loadscope-reorder)."""
     groups: dict[str, list[pytest.Item]] = {}
@@ -60,6 +60,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         slow = any(item.get_closest_marker("slow") for item in groups[name])
         return len(LONGEST_GROUPS) + (0 if slow else 1)
 
+    # The two-node cluster's tests first: the session's Serve application (started by the next Ray
+    # tests, kept until the last) would otherwise idle beside the cluster on a share of a core.
+    if "ray" in groups:
+        groups["ray"].sort(key=lambda item: "cluster" not in getattr(item, "fixturenames", ()))
     items[:] = [item for name in sorted(groups, key=weight) for item in groups[name]]
 
 
