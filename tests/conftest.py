@@ -45,9 +45,9 @@ def _group(item: pytest.Item) -> str:
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the xdist_group marks
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Every test runs in a group (see `_group`); the Ray tests are one group. The longest groups go
-    first (the Ray group with the cluster's tests first), then those that load the embedded model, then the rest:
-    the long units of work start at once and the short ones fill in at the end (`make test` keeps
-    this order with --no-loadscope-reorder)."""
+    first (the Ray group with the cluster's tests first), then those that load the embedded model,
+    then the rest: the long units of work start at once and the short ones fill in at the end
+    (`make test` keeps this order with --no-loadscope-reorder)."""
     groups: dict[str, list[pytest.Item]] = {}
     for item in items:
         name = "ray" if RAY_FIXTURES & set(getattr(item, "fixturenames", ())) else _group(item)

@@ -124,20 +124,20 @@ COPY_TEXT = (
 )
 
 
-def _chat(text: str, max_tokens: int = 24, system: str | None = None, **kwargs) -> GenerationRequest:
+def chat_request(text: str, max_tokens: int = 24, system: str | None = None, **kwargs) -> GenerationRequest:
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
     return GenerationRequest(messages=messages, max_tokens=max_tokens, **kwargs)
 
 
 PROMPTS = [
-    _chat(f"Repeat this text exactly: {COPY_TEXT}"),
+    chat_request(f"Repeat this text exactly: {COPY_TEXT}"),
     GenerationRequest(prompt="def fibonacci(n):", max_tokens=24),
     GenerationRequest(prompt="1, 2, 3, 4, 5,", max_tokens=24),
-    _chat("What is the capital of France?"),
+    chat_request("What is the capital of France?"),
     GenerationRequest(prompt="Once upon a time in a land far away, there lived a", max_tokens=24),
-    _chat("Give me one tip for sleeping better.", system="You are a concise assistant."),
+    chat_request("Give me one tip for sleeping better.", system="You are a concise assistant."),
     GenerationRequest(prompt="The chemical symbol for gold is", max_tokens=24),
-    _chat(f"Summarize in one sentence, reusing its words: {COPY_TEXT}"),
+    chat_request(f"Summarize in one sentence, reusing its words: {COPY_TEXT}"),
 ]
 
 

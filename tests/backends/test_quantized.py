@@ -27,14 +27,13 @@ from profiler.workloads import quantization_split
 pytestmark = pytest.mark.slow
 
 
-EVALUATED = 4
+EVALUATED = 4  # held-out prompts (485 teacher-forced positions): every margin below holds (measured here)
 
 
 @pytest.fixture(scope="module")
 def split(engine):
     calibration, evaluation = quantization_split()
     ids = [engine.encode(GenerationRequest(messages=p.messages, max_tokens=1)) for p in calibration[:8]]
-    # Four held-out prompts (485 teacher-forced positions) keep every margin below (measured here).
     requests = [GenerationRequest(messages=p.messages, max_tokens=12) for p in evaluation[:EVALUATED]]
     answers = engine.generate(requests)
     held_out = [engine.encode(r) + a.token_ids for r, a in zip(requests, answers, strict=True)]

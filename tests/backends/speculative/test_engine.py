@@ -17,7 +17,7 @@ from backends.speculative.engine import SpeculativeEngine, step_costs
 from backends.speculative.stats import SpeculationStats
 from policies.cost_model import expected_tokens
 
-from ..conftest import COPY_TEXT, PROMPTS, _chat, perturbed, tiny_model
+from ..conftest import COPY_TEXT, PROMPTS, chat_request, perturbed, tiny_model
 
 pytestmark = pytest.mark.slow
 
@@ -130,7 +130,7 @@ def _ran_past_the_end(spy: SpyDrafter, result) -> bool:
 
 
 def test_eos_inside_a_drafted_block_ends_the_sequence_there(loaded, engine, costs):
-    request = _chat(f"Repeat this text exactly: {COPY_TEXT}", max_tokens=120)
+    request = chat_request(f"Repeat this text exactly: {COPY_TEXT}", max_tokens=120)
     spy = SpyDrafter(NgramDrafter(max_n=4, min_n=1))
     result = SpeculativeEngine(loaded, spy, k=8, costs=costs).generate([request])[0]
     assert result.token_ids == engine.generate([request])[0].token_ids
@@ -139,7 +139,7 @@ def test_eos_inside_a_drafted_block_ends_the_sequence_there(loaded, engine, cost
 
 
 def test_stop_string_inside_a_drafted_block_ends_the_sequence_there(loaded, engine, costs):
-    request = _chat(f"Repeat this text exactly: {COPY_TEXT}", max_tokens=120, stop=["Elm"])
+    request = chat_request(f"Repeat this text exactly: {COPY_TEXT}", max_tokens=120, stop=["Elm"])
     spy = SpyDrafter(NgramDrafter(max_n=4, min_n=1))
     result = SpeculativeEngine(loaded, spy, k=8, costs=costs).generate([request])[0]
     plain = engine.generate([request])[0]
