@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from functools import cached_property
 from pathlib import Path
@@ -138,14 +140,38 @@ def resolve_source(source: str | None) -> tuple[str, str]:
 
 def load_gguf(path: Path, dtype: torch.dtype = torch.float32) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a GGUF file (weights dequantized, tokenizer from the file's metadata)."""
-    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
+    with _one_gguf_reader():
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
     # The weights are already dequantized; without this the model refuses save_pretrained
     # and dtype changes as if it were still quantized.
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     return model, tokenizer
+
+
+@contextmanager
+def _one_gguf_reader() -> Iterator[None]:
+    """transformers reads a GGUF file's header afresh for the tokenizer, the config and the weights,
+    each time through `gguf.GGUFReader` (a Python parse of every metadata field: the embedded model's
+    49,152-token vocabulary makes each read ~3 s of the ~23 s load here). Within this block the
+    three share one reader of each file: the same read-only memory map, so the same tensors."""
+    import gguf
+
+    original, readers = gguf.GGUFReader, {}
+
+    def shared(path, *args, **kwargs):
+        key = (str(path), args, tuple(sorted(kwargs.items())))
+        if key not in readers:
+            readers[key] = original(path, *args, **kwargs)
+        return readers[key]
+
+    gguf.GGUFReader = shared
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = original
 
 
 def describe(model: PreTrainedModel, name: str, dtype: str, device: str) -> ModelInfo:

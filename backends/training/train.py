@@ -23,8 +23,10 @@ from ..embedded import specroute_home
 from ..errors import TrainingError
 from ..generation import ChatMessage, GenerationRequest
 from ..models import LoadedModel
+from ..speculative.control import StepCosts
 from ..speculative.engine import SpeculativeEngine, step_costs
 from ..speculative.factory import build_drafter
+from ..speculative.stats import SpeculationStats
 from ..speculative.trained import DrafterCard, DraftVocab, HeldOut, save_drafter
 from .data import Sample, data_dir, extract_features, generate_samples
 from .loops import IGNORE, Metrics, Sequences, Task, autocast
@@ -229,33 +231,39 @@ def held_out_alpha(
     held: Sequence[Sample],
     prompts: dict[str, TrainingPrompt],
     config: TrainConfig,
+    costs: StepCosts | None = None,
 ) -> dict[str, float]:
     """α per category of real greedy speculative runs (fixed k) with the saved drafter, loaded the
-    way users load it, on held-out prompts: accepted drafts / judged drafts."""
-    if config.alpha_prompts == 0:
+    way users load it, on held-out prompts: accepted drafts / judged drafts. Every category's
+    prompts run in one batch (greedy tokens do not depend on the batch) and each row's own counts
+    are added up by category. `costs`: the target's step-cost table, where one is at hand."""
+    chosen = [s for c in CATEGORIES for s in [s for s in held if s.category == c][: config.alpha_prompts]]
+    if not chosen:
         return {}
     drafter = build_drafter(DrafterConfig(kind=kind, weights=str(path)), loaded)
-    costs = step_costs(loaded, max_width=config.alpha_k + 1)  # probed once for every category's engine
-    alpha: dict[str, float] = {}
-    for category in CATEGORIES:
-        chosen = [s for s in held if s.category == category][: config.alpha_prompts]
-        if not chosen:
-            continue
-        engine = SpeculativeEngine(loaded, drafter.fresh(), k=config.alpha_k, costs=costs)
-        requests = [
-            GenerationRequest(
-                messages=[ChatMessage(**m) for m in prompts[s.id].messages()], max_tokens=config.alpha_tokens
-            )
-            for s in chosen
-        ]
-        engine.generate(requests)
-        alpha[category] = round(engine.totals.alpha, 4)
-    return alpha
+    if costs is None or costs.max_width <= config.alpha_k:
+        costs = step_costs(loaded, max_width=config.alpha_k + 1)
+    engine = SpeculativeEngine(loaded, drafter, k=config.alpha_k, costs=costs)
+    requests = [
+        GenerationRequest(messages=[ChatMessage(**m) for m in prompts[s.id].messages()], max_tokens=config.alpha_tokens)
+        for s in chosen
+    ]
+    rows: dict[str, list[SpeculationStats]] = {}
+    for sample, result in zip(chosen, engine.generate(requests), strict=True):
+        if result.speculation is not None:
+            rows.setdefault(sample.category, []).append(result.speculation)
+    return {category: round(SpeculationStats.combined(stats).alpha, 4) for category, stats in rows.items()}
 
 
 def train_drafter(
-    config: TrainConfig, loaded: LoadedModel, progress: bool = True, log: Callable[[str], None] = print
+    config: TrainConfig,
+    loaded: LoadedModel,
+    progress: bool = True,
+    log: Callable[[str], None] = print,
+    costs: StepCosts | None = None,
 ) -> tuple[Path, DrafterCard]:
+    """`costs`: the target's step-cost table for the held-out α runs, where one is at hand (else
+    they probe their own)."""
     kind, task_type = config.kind, task_class(config.kind)
     layers = task_type.feature_layers(config, loaded.model.config.num_hidden_layers)  # refuse bad settings first
     torch.manual_seed(config.seed)
@@ -325,7 +333,7 @@ def train_drafter(
     )
     save_drafter(out, card, task.net, draft_ids)
     log(f"measuring α on held-out prompts (k = {config.alpha_k}) …")
-    alpha = held_out_alpha(loaded, out, kind, held, by_id, config)
+    alpha = held_out_alpha(loaded, out, kind, held, by_id, config, costs)
     card.held_out.alpha_by_category, card.held_out.alpha_k = alpha, config.alpha_k
     save_drafter(out, card, task.net, draft_ids)
     return out, card

@@ -1,9 +1,10 @@
+import numpy as np
 import pytest
 import torch
 
 from backends.embedded import embedded_gguf_path
 from backends.generation import GenerationRequest
-from backends.models import ModelLoadError, load_model, resolve_source
+from backends.models import ModelLoadError, _one_gguf_reader, load_model, resolve_source
 from backends.plain import PlainEngine
 
 pytestmark = pytest.mark.slow
@@ -40,6 +41,26 @@ def test_gguf_file_loads_and_decodes_like_the_converted_copy(engine):
     from_gguf = PlainEngine(load_model(str(embedded_gguf_path())))
     request = GenerationRequest(prompt="The three primary colors are", max_tokens=12)
     assert from_gguf.generate([request])[0].token_ids == engine.generate([request])[0].token_ids
+
+
+def test_a_gguf_files_reads_share_one_parse_only_inside_the_load(tmp_path):
+    """load_gguf's tokenizer, config and weights each open the file through gguf.GGUFReader: inside
+    the load they get one reader of each file, outside it every open parses again."""
+    import gguf
+
+    paths = [tmp_path / "a.gguf", tmp_path / "b.gguf"]
+    for path in paths:
+        writer = gguf.GGUFWriter(str(path), "llama")
+        writer.add_tensor("w", np.arange(4, dtype=np.float32))
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+    with _one_gguf_reader():
+        first, again, other = gguf.GGUFReader(paths[0]), gguf.GGUFReader(paths[0]), gguf.GGUFReader(paths[1])
+        assert first is again and other is not first
+        assert list(first.tensors[0].data) == [0, 1, 2, 3]
+    assert gguf.GGUFReader(paths[0]) is not first
 
 
 def test_threads_setting_is_applied():

@@ -47,6 +47,8 @@ SMALL = ProfileConfig(
     drafters=["ngram"],
     acceptance_k=3,
     max_tokens=24,
+    repeats=2,  # best of two tries a pass, in one sweep: what these tests read of the curves is their shape
+    curve_sweeps=1,
     quality_tokens=8,
     quality_prompts=1,  # of 5 a category: 7 prompts, ~1,200 teacher-forced positions (the quality test's floor holds)
     training_prompts=2,
@@ -61,6 +63,8 @@ EAGLE = SMALL.model_copy(
         "quantization": [],
         "context_budget_s": 0.0,
         "training_prompts": 0,
+        "repeats": 1,  # its cost curves are the profile's above again: only its drafter is read
+        "curve_sweeps": 1,
     }
 )
 TRAINING_CATEGORIES = ["chat", "code", "math", "qa"]  # the training set's (backends.training.prompts)

@@ -1,8 +1,8 @@
 """specroute on a real two-node Ray cluster, started the documented way on this one machine:
 `ray start --head` (no CPUs: only Serve's controller and proxy live there) and a worker node with
 `ray start --address …`, each with its own SPECROUTE_HOME, then `serve deploy` of deploy/serve.yaml
-(test-sized) with Ray's default token authentication. Every replica must run on the worker node,
-set the embedded model up there (its home starts empty) and read nothing from the head's disk:
+(test-sized) with Ray's token authentication (a token of the test's own). Every replica must run on
+the worker node, set the embedded model up there (its home starts empty) and read nothing from the head's disk:
 the profile file is deleted before a replica is killed, and the restarted replica still serves.
 /healthz tells the truth meanwhile: 503 while a backend has no live replica or the last policy
 was refused."""
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -46,14 +47,17 @@ class Cluster:
     profile: Path
     config: dict[str, Any]
 
-    def ray(self, *args: str, check: bool = True) -> str:
-        """A Ray CLI command against this cluster, as its user would type it."""
-        done = subprocess.run(
-            [str(BIN / "ray"), *args], env=self.env, capture_output=True, text=True, timeout=120, check=False
+    def state(self, kind: str) -> list[dict[str, Any]]:
+        """What `ray list <kind> --detail` prints, read from the dashboard's state API with the
+        cluster's token (a `ray` CLI call costs a Python start-up: seconds of a core, polled)."""
+        response = httpx.get(
+            f"{self.dashboard}/api/v0/{kind}",
+            params={"detail": "1", "limit": "10000"},
+            headers={"Authorization": f"Bearer {self.env['RAY_AUTH_TOKEN']}"},
+            timeout=30,
         )
-        if check and done.returncode:
-            raise AssertionError(f"ray {' '.join(args)} failed: {done.stderr[-2000:]}")
-        return done.stdout
+        response.raise_for_status()
+        return response.json()["data"]["result"]["result"]
 
     def serve_deploy(self, tmp: Path, config: dict[str, Any]) -> None:
         path = tmp / f"serve-{time.monotonic_ns()}.yaml"
@@ -63,11 +67,11 @@ class Cluster:
         assert done.returncode == 0, done.stderr[-2000:]
 
     def replicas(self) -> list[dict[str, Any]]:
-        actors = json.loads(self.ray("list", "actors", "--address", self.gcs, "--detail", "--format", "json"))
+        actors = self.state("actors")
         return [a for a in actors if "ServeReplica:specroute:" in a["class_name"] and a["state"] == "ALIVE"]
 
     def worker_node(self) -> str:
-        nodes = json.loads(self.ray("list", "nodes", "--address", self.gcs, "--detail", "--format", "json"))
+        nodes = self.state("nodes")
         (worker,) = [n for n in nodes if n["state"] == "ALIVE" and "specroute_worker" in n["resources_total"]]
         return worker["node_id"]
 
@@ -124,7 +128,9 @@ def cluster(loaded, tmp_path_factory) -> Iterator[Cluster]:  # `loaded`: pip's c
     worker_home.mkdir()
     profile = head_home / "profile.json"
     synthetic_profile(quantized_agreement=0.9).save(profile)
-    env = {**os.environ, "RAY_AUTH_MODE": "token", "PATH": f"{BIN}:{os.environ['PATH']}"}
+    # The cluster's own token (not the user's ~/.ray/auth_token): every node, `serve` and this test use it.
+    token = secrets.token_hex(32)
+    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token, "PATH": f"{BIN}:{os.environ['PATH']}"}
     env.pop("RAY_ADDRESS", None)
     port, dashboard, http = free_port(), free_port(), free_port()
     temp_dir = tempfile.mkdtemp(prefix="srcl-")  # short: Ray's socket paths must fit 107 bytes
@@ -140,7 +146,7 @@ def cluster(loaded, tmp_path_factory) -> Iterator[Cluster]:  # `loaded`: pip's c
         f"127.0.0.1:{port}", f"http://127.0.0.1:{dashboard}", f"http://127.0.0.1:{http}", env, worker_home, profile, {}
     )
     try:
-        _wait(lambda: cluster.ray("status", "--address", cluster.gcs), "the head node", 120)
+        _wait(lambda: cluster.state("nodes"), "the head node", 120)
         worker = ["--address", cluster.gcs, "--num-cpus", "2", "--resources", '{"specroute_worker": 1}']
         worker += ["--metrics-export-port", str(free_port()), *common[:3]]
         nodes.append(_start(worker, {**env, "SPECROUTE_HOME": str(worker_home)}, tmp / "worker.log"))

@@ -50,11 +50,13 @@ def _config(kind: str, workdir, **overrides) -> TrainConfig:
 
 
 @pytest.fixture(scope="module")
-def trained(loaded, workdir):
-    """All three kinds on one shared self-distillation cache (generated once, by the first)."""
+def trained(loaded, costs, workdir):
+    """All three kinds on one shared self-distillation cache (generated once, by the first), their
+    held-out α runs on the session's step-cost table."""
     lines: list[str] = []
     return {
-        kind: train_drafter(_config(kind, workdir), loaded, progress=False, log=lines.append) for kind in TRAINED_KINDS
+        kind: train_drafter(_config(kind, workdir), loaded, progress=False, log=lines.append, costs=costs)
+        for kind in TRAINED_KINDS
     }
 
 
