@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
@@ -23,6 +24,7 @@ from .kernels import KernelChoice, choose_linear_kernels
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 DEVICES = ("cpu", "cuda")
 EMBEDDED_ALIASES = ("embedded", "default")
+_GGUF_LOAD = threading.Lock()  # see _one_gguf_reader
 
 
 @dataclass(frozen=True)
@@ -156,22 +158,24 @@ def _one_gguf_reader() -> Iterator[None]:
     """transformers reads a GGUF file's header afresh for the tokenizer, the config and the weights,
     each time through `gguf.GGUFReader` (a Python parse of every metadata field: the embedded model's
     49,152-token vocabulary makes each read ~3 s of the ~23 s load here). Within this block the
-    three share one reader of each file: the same read-only memory map, so the same tensors."""
+    three share one reader of each file: the same read-only memory map, so the same tensors. The
+    module attribute is swapped for the block, so two loads in one process take turns."""
     import gguf
 
-    original, readers = gguf.GGUFReader, {}
+    with _GGUF_LOAD:
+        original, readers = gguf.GGUFReader, {}
 
-    def shared(path, *args, **kwargs):
-        key = (str(path), args, tuple(sorted(kwargs.items())))
-        if key not in readers:
-            readers[key] = original(path, *args, **kwargs)
-        return readers[key]
+        def shared(path, *args, **kwargs):
+            key = (str(path), args, tuple(sorted(kwargs.items())))
+            if key not in readers:
+                readers[key] = original(path, *args, **kwargs)
+            return readers[key]
 
-    gguf.GGUFReader = shared
-    try:
-        yield
-    finally:
-        gguf.GGUFReader = original
+        gguf.GGUFReader = shared
+        try:
+            yield
+        finally:
+            gguf.GGUFReader = original
 
 
 def describe(model: PreTrainedModel, name: str, dtype: str, device: str) -> ModelInfo:
