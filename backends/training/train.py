@@ -237,7 +237,11 @@ def held_out_alpha(
     way users load it, on held-out prompts: accepted drafts / judged drafts. Every category's
     prompts run in one batch (greedy tokens do not depend on the batch) and each row's own counts
     are added up by category. `costs`: the target's step-cost table, where one is at hand."""
-    chosen = [s for c in CATEGORIES for s in [s for s in held if s.category == c][: config.alpha_prompts]]
+    chosen = [
+        sample
+        for category in CATEGORIES
+        for sample in [s for s in held if s.category == category][: config.alpha_prompts]
+    ]
     if not chosen:
         return {}
     drafter = build_drafter(DrafterConfig(kind=kind, weights=str(path)), loaded)

@@ -140,7 +140,7 @@ def _check_schedules(
     names: list[str | None] = [d.name for d in drafters] or [None]
     for seed in seeds:  # odd seeds plan k per step (as the service does), even ones draft a fixed k
         k = "auto" if seed % 2 else 3
-        scheduler = Scheduler(loaded, TIGHT, [d.fresh() for d in drafters], k=k, costs=costs if drafters else None)
+        scheduler = Scheduler(loaded, TIGHT, [d.fresh() for d in drafters], k=k, costs=costs)
         arrivals = random_schedule(seed, pool, 7, names)
         results = run_schedule(scheduler, arrivals)
         for i, (arrival, result) in enumerate(zip(arrivals, results, strict=True)):

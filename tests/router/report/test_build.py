@@ -175,7 +175,7 @@ def test_with_only_a_profile_the_report_names_what_is_missing(tmp_path, monkeypa
     monkeypatch.setenv("SPECROUTE_HOME", str(home))
     monkeypatch.chdir(tmp_path)  # no bench results here
     # What is missing is named whatever the simulation's size: a third of the requests will do.
-    config = ReportConfig(workload=str(WORKLOAD), out=str(tmp_path / "out"), requests=100, max_replicas=16)
+    config = ReportConfig(workload=str(WORKLOAD), out=str(tmp_path / "out"), **{**SMALL, "requests": 100})
     report = build_report(config, progress=False)
     write_report(report, tmp_path / "out")
     status = {i.name: i.status for i in report.inputs}
