@@ -12,10 +12,17 @@ TORCH_PIP_ARGS ?=
 
 # torch goes in first and pinned, so the project's `torch>=2.4` is already satisfied and pip
 # never resolves a bare `torch` requirement to a multi-GB CUDA build.
+# llama.cpp (the llamacpp engine) builds from source for this CPU (GGML_NATIVE; ~7 min on 2 cores the
+# first time, then pip's wheel cache): where it cannot build, set-up goes on and says so, and specroute
+# runs on torch alone (`specroute generate --engine llamacpp` then says why it is unavailable).
+LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=ON
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet $(TORCH_PIP_ARGS) torch==2.13.0
 	$(BIN)/pip install --quiet -e '.[dev]'
+	@echo "building llama.cpp (llama-cpp-python) for this CPU if pip has no wheel of it yet: ~7 min on 2 cores"
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(BIN)/pip install --quiet -e '.[llamacpp]' \
+		|| echo "llama.cpp did not build here (see pip's output above): specroute runs on the torch engine only"
 	touch $@
 
 install: $(STAMP)

@@ -17,7 +17,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from .attention import use_grouped_attention
-from .embedded import EMBEDDED_NAME, embedded_model_dir, embedded_model_ready
+from .embedded import EMBEDDED_NAME, embedded_gguf_path, embedded_model_dir, embedded_model_ready
 from .errors import ModelLoadError
 from .kernels import KernelChoice, choose_linear_kernels
 
@@ -49,6 +49,7 @@ class LoadedModel:
     tokenizer: PreTrainedTokenizerBase
     info: ModelInfo
     kernels: KernelChoice | None = None  # why a CPU model runs the linear kernels it does
+    gguf: Path | None = None  # the GGUF file the weights came from (what the llama.cpp engine serves)
 
     @cached_property
     def fingerprint(self) -> str:
@@ -107,7 +108,8 @@ def load_model(
     info = describe(model, name, dtype, device)
     if kernels is not None:
         info = replace(info, linear_kernels=kernels.kernel)
-    return LoadedModel(model, tokenizer, info, kernels)
+    gguf = embedded_gguf_path() if kind == "embedded" else Path(location) if kind == "gguf" else None
+    return LoadedModel(model, tokenizer, info, kernels, gguf if gguf is not None and gguf.is_file() else None)
 
 
 def resolve_dtype(dtype: str) -> torch.dtype:

@@ -51,12 +51,13 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from policies.cost_model import RowOutlook, plan_step
+from policies.engines import ENGINES, EngineName
 from policies.profile import AcceptanceMap, ContextCurve, CostCurve, Profile
 from policies.quantization import REDUCED_PRECISION
 
+from .engines import build_engine
 from .errors import RequestError
 from .generation import GenerationRequest, GenerationResult, SequenceState, TokenListener, listener_for
-from .kv import PagedCache
 from .models import LoadedModel
 from .pass_timing import measure_step_times
 from .plain import PlainEngine
@@ -102,6 +103,11 @@ class LoopSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
+    engine: EngineName = Field(
+        "torch",
+        description=f"what runs the target's passes ({', '.join(ENGINES)}): torch is the exact float reference; "
+        "llamacpp serves a .gguf model with llama.cpp's own kernels and weight types",
+    )
     max_batch: int = Field(32, ge=1, le=512, description="most sequences running at once")
     max_step_tokens: int = Field(
         512, ge=MIN_PREFILL_TOKENS, le=65536, description="tokens one step feeds: running rows, then prompt chunks"
@@ -137,6 +143,8 @@ class LoopSettings(BaseModel):
     def tile(self, dtype: str) -> int | None:
         """The width tiled target passes run at for a target in `dtype`, or None (natural widths);
         which passes are tiled: `tile_max_rows`."""
+        if self.engine != "torch":  # tiles make torch's kernels width-invariant; other engines measure their own
+            return None
         on = self.width_invariant == "on" or (self.width_invariant == "auto" and dtype in REDUCED_PRECISION)
         return self.tile_width if on else None
 
@@ -251,13 +259,14 @@ class Scheduler:
                 "this target"
             )
         layers = sorted({i for d in drafters for i in d.feature_layers})
-        self.cache = PagedCache(
-            self.model,
-            self.settings.cache_tokens,
-            feature_layers=layers,
-            tile=self.tile,
-            tile_rows=self.settings.tile_max_rows,
-        )
+        self.cache = build_engine(loaded, self.settings, layers, self.tile)
+        for drafter in drafters:
+            reason = self.cache.refusal(drafter)
+            if reason is not None:
+                raise RequestError(
+                    f"the {self.cache.name} engine cannot serve drafter {drafter.name}: {reason}; "
+                    "serve it with engine torch, or pick a drafter that needs only tokens (ngram, model)"
+                )
         self.costs = costs if costs is not None or not drafters else step_costs(loaded, self.widest, self.settings)
         if self.costs is not None and self.costs.max_width < self.widest:
             raise ValueError(f"the step-cost table covers widths up to {self.costs.max_width}, need {self.widest}")
@@ -283,7 +292,8 @@ class Scheduler:
     def check(self, request: GenerationRequest, drafter: str | None = None) -> list[int]:
         """The request's prompt ids, or a `RequestError` saying why this loop cannot serve it."""
         ids = self.plain.encode(request)
-        needed, capacity = len(ids) + request.max_tokens, self.settings.cache_tokens
+        needed = len(ids) + request.max_tokens
+        capacity = min(self.settings.cache_tokens, self.cache.sequence_tokens)
         if needed > capacity:
             raise RequestError(
                 f"prompt ({len(ids)} tokens) + max_tokens ({request.max_tokens}) needs {needed} tokens of KV cache; "
@@ -414,9 +424,9 @@ class Scheduler:
         ready = [b for b, r in enumerate(chosen) if r.computed + len(blocks[b]) >= len(r.state.prompt_ids)]
         done = [chosen[b] for b in ready]  # their prompt's last chunk goes in now: they sample a first token
         try:
-            out = self.cache.forward([r.seq for r in chosen], blocks, keep="last")
+            logits = self.cache.last_logits([r.seq for r in chosen], blocks)
             params, generators = [r.draft.sampling for r in done], [r.draft.generator for r in done]
-            first = sample_tokens(out.logits[ready], params, generators).tolist() if done else []
+            first = sample_tokens(logits[ready], params, generators).tolist() if done else []
         except Exception as exc:  # the pass failed: only the rows in it end
             self._fail_all(chosen, exc)
             return
@@ -648,8 +658,7 @@ class Scheduler:
         if not sampled:
             return None
         width = max(len(d) for d in drafts)
-        vocab = self.model.get_output_embeddings().weight.shape[0]
-        q = torch.zeros((len(rows), width, vocab), dtype=torch.float32, device=self.cache.device)
+        q = torch.zeros((len(rows), width, self.cache.vocab_size), dtype=torch.float32, device=self.cache.device)
         for group, proposal in proposals.values():
             for j, b in enumerate(group):
                 if b not in sampled:
@@ -910,6 +919,11 @@ def step_costs(
     tile = loop.tile(loaded.info.dtype)
 
     def probe(batch: int, widths: Sequence[int]) -> dict[int, float]:
+        if loop.engine == "llamacpp":
+            from .engines import gguf_file
+            from .engines.llamacpp import measure_llamacpp_step_times
+
+            return measure_llamacpp_step_times(gguf_file(loaded), batch, widths, torch.get_num_threads())
         return measure_step_times(loaded.model, batch, widths, tile=tile, tile_rows=loop.tile_max_rows)
 
     if context is None:

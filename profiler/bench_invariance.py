@@ -37,6 +37,16 @@ class BenchInvarianceConfig(BenchTarget):
     max_tokens: int = Field(32, ge=1, le=1024)
     batch_sizes: list[Annotated[int, Field(ge=2)]] = Field(default_factory=lambda: [2, 4, 8], min_length=1)
     drafter: DrafterKind = "ngram"
+    k: int | Literal["auto"] = Field(
+        "auto", description="the speculative loop's k: auto, or fixed (every proposal verified, so every width is)"
+    )
+
+    @property
+    def modes(self) -> dict[str, LoopSettings]:
+        """The width-invariance modes this engine has, each as its loops' settings."""
+        if self.engine != "torch":  # tiles are the torch engine's: other engines run natural widths
+            return {"off": MODES["off"].model_copy(update={"engine": self.engine})}
+        return MODES
 
 
 class Agreement(BaseModel):
@@ -58,6 +68,8 @@ class PlainSpeed(BaseModel):
 class BenchInvarianceReport(BaseModel):
     machine: MachineInfo
     model: dict[str, object]
+    engine: str = "torch"
+    k: str = "auto"
     drafter: str
     agreements: list[Agreement]
     speeds: list[PlainSpeed]
@@ -72,17 +84,19 @@ def run_bench_invariance(config: BenchInvarianceConfig) -> BenchInvarianceReport
     ]
     drafter = build_drafter(DrafterConfig(kind=config.drafter), loaded)
     agreements, speeds = [], []
-    runs = len(MODES) * len(requests) * (2 + 2 * len(config.batch_sizes))
+    runs = len(config.modes) * len(requests) * (2 + 2 * len(config.batch_sizes))
     with tqdm(total=runs, desc="bench invariance", unit="request", leave=False) as bar:
-        for mode, settings in MODES.items():
+        for mode, settings in config.modes.items():
             plain = Scheduler(loaded, settings)
-            speculative = SpeculativeEngine(loaded, drafter.fresh(), k="auto", settings=settings)
+            speculative = SpeculativeEngine(loaded, drafter.fresh(), k=config.k, settings=settings)
             found, speed = _compare(mode, plain, speculative, requests, config.batch_sizes, bar)
             agreements += found
             speeds.append(speed.model_copy(update={"tile": plain.tile}))
     return BenchInvarianceReport(
         machine=machine_info(),
         model=loaded.info.as_dict(),
+        engine=config.engine,
+        k=str(config.k),
         drafter=drafter.name,
         agreements=agreements,
         speeds=speeds,
@@ -145,8 +159,9 @@ def _batched(loop: Scheduler, requests: list[GenerationRequest], size: int, bar:
 def render_report(report: BenchInvarianceReport) -> str:
     m = report.model
     lines = [
-        f"specroute bench invariance — {m['name']} ({m['dtype']}, {m['device']}) on {report.machine.cpu}, "
-        f"{report.machine.torch_threads} torch threads; greedy; drafter {report.drafter} (auto k)",
+        f"specroute bench invariance — {m['name']} ({m['dtype']}, {m['device']}, {report.engine} engine) on "
+        f"{report.machine.cpu}, {report.machine.torch_threads} threads; greedy; drafter {report.drafter} "
+        f"(k {report.k})",
         "",
         "  tiled passes     compared                              batch  identical",
     ]

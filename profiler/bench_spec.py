@@ -1,7 +1,9 @@
 """`specroute bench spec`: speculative decoding against plain decoding, per prompt category, at
 batch 1, in one run — every drafter at each fixed k and at auto k — plus transformers' own assisted
 generation (prompt lookup, and the draft model as `assistant_model`) on the same prompts as the
-outside reference. Each prompt runs every configuration back to back (rotating which goes
+outside reference. With `--engine llamacpp` the loops run on llama.cpp, and the outside reference
+is llama.cpp's own generation of the same GGUF file (`profiler.peers`), beside the float32 torch
+loop. Each prompt runs every configuration back to back (rotating which goes
 first), so machine noise hits all of them alike; greedy decoding, so every configuration must
 produce the very same tokens, which the report checks.
 
@@ -22,6 +24,8 @@ from pydantic import BaseModel, Field, field_validator
 from tqdm import tqdm
 from transformers import GenerationConfig
 
+from backends.engines import gguf_file
+from backends.engines.llamacpp import gguf_weight_types
 from backends.generation import GenerationRequest, GenerationResult
 from backends.models import LoadedModel, load_model
 from backends.plain import PlainEngine
@@ -36,6 +40,7 @@ from policies.drafters import BENCHED_KINDS, DrafterConfig, DrafterKind, spec
 from policies.profile import AcceptanceMap, ReliabilityBin
 
 from .hardware import MachineInfo, machine_info
+from .peers import LlamaCppPeer
 from .settings import BenchTarget, load_target
 from .workloads import PromptSetName, load_prompt_set
 
@@ -72,7 +77,7 @@ class BenchSpecConfig(BenchTarget):
 
     @property
     def loop(self) -> LoopSettings:
-        return LoopSettings(tile_width=self.tile_width)
+        return LoopSettings(tile_width=self.tile_width, engine=self.engine)
 
     @field_validator("fixed_k", mode="before")
     @classmethod
@@ -132,7 +137,10 @@ class CategoryResult(BaseModel):
     category: str
     prompts: int
     runs: list[RunStats]
-    versus_transformers: dict[str, float] = Field(description="our tokens/s over transformers' (named pairs)")
+    versus_transformers: dict[str, float] = Field(
+        description="our tokens/s over the outside reference's (named pairs): transformers' own assisted "
+        "generation on the torch engine, llama.cpp's own generation on the llamacpp engine"
+    )
 
 
 class BenchSpecReport(BaseModel):
@@ -206,7 +214,10 @@ def _runners(
     widest = max([max(config.k_max, *config.fixed_k) + 1, *(d.widest_block for d in drafters.values())])
     costs = step_costs(loaded, max_width=widest, settings=config.loop)
     runners: dict[str, Runner] = {PLAIN: lambda r: plain.generate([r])[0]}
-    if config.loop.tile(loaded.info.dtype) is not None:
+    pairs: dict[str, str] = {}
+    if config.engine == "llamacpp":
+        runners, pairs = _llamacpp_runners(config, loaded)
+    elif config.loop.tile(loaded.info.dtype) is not None:
         # Reduced precision: the exact reference is the plain step loop, width-invariant as the plain
         # backend serves it; plain decoding at natural widths runs beside it, for its speed and its drift.
         # And the float32 plain backend's loop, the exact reference a reduced precision competes with.
@@ -217,7 +228,6 @@ def _runners(
             NATURAL_WIDTHS: runners[PLAIN],
             FLOAT32: lambda r: reference.generate([r])[0],
         }
-    pairs: dict[str, str] = {}
     autos: dict[str, SpeculativeEngine] = {}
     scores: list[CalibrationScore] = []
     for kind, drafter in drafters.items():
@@ -231,6 +241,9 @@ def _runners(
             )
             runners[f"{kind} k={k}"] = _engine_runner(engine)
         autos[kind] = engine
+        if config.engine == "llamacpp":
+            pairs[f"{kind} k=auto"] = LlamaCppPeer.name
+            continue
         if not config.transformers:
             continue
         baseline = spec(kind).baseline
@@ -245,6 +258,24 @@ def _runners(
             runners["transformers assisted"] = _hf_runner(plain, loaded, assistant_model=draft.model)
             pairs[f"{kind} k=auto"] = "transformers assisted"
     return runners, pairs, costs, autos, scores
+
+
+def _llamacpp_runners(config: BenchSpecConfig, loaded: LoadedModel) -> tuple[dict[str, Runner], dict[str, str]]:
+    """On the llamacpp engine: its plain loop (the reference every configuration must equal),
+    llama.cpp's own generation of the same file, and the float32 torch loop (the exact float model)."""
+    loop = Scheduler(loaded, config.loop)
+    peer = LlamaCppPeer(gguf_file(loaded), torch.get_num_threads())
+    reference = Scheduler(load_model(config.model, "float32", config.device, config.threads))
+
+    def theirs(request: GenerationRequest) -> list[int]:
+        return peer.generate(loop.plain.encode(request), request.max_tokens, loop.plain.eos_ids)
+
+    runners: dict[str, Runner] = {
+        PLAIN: lambda r: loop.generate([r])[0],
+        LlamaCppPeer.name: theirs,
+        FLOAT32: lambda r: reference.generate([r])[0],
+    }
+    return runners, {PLAIN: LlamaCppPeer.name}
 
 
 def _calibrate(loaded: LoadedModel, drafter: Drafter, costs: StepCosts, config: BenchSpecConfig) -> AcceptanceMap:
@@ -422,7 +453,7 @@ def _report(
     versus = {name: _geomean([c.versus_transformers[name] for c in results]) for name in versus_names}
     return BenchSpecReport(
         machine=machine_info(),
-        model=loaded.info.as_dict(),
+        model=_model_description(config, loaded),
         config=config,
         step_costs_ms=step_costs_ms,
         categories=results,
@@ -436,6 +467,14 @@ def _report(
         if FLOAT32 in geomean
         else {},
     )
+
+
+def _model_description(config: BenchSpecConfig, loaded: LoadedModel) -> dict[str, object]:
+    """The target as loaded, and on the llamacpp engine what llama.cpp says of the file it ran."""
+    described = loaded.info.as_dict()
+    if config.engine == "llamacpp":
+        described["gguf_types"] = gguf_weight_types(gguf_file(loaded))
+    return described
 
 
 def _auto_over_fixed(kind: str, config: BenchSpecConfig, results: list[CategoryResult]) -> dict[str, float]:
@@ -462,7 +501,7 @@ def _geomean(values: list[float]) -> float:
 def render_report(report: BenchSpecReport) -> str:
     m, c = report.model, report.config
     lines = [
-        f"specroute bench spec — {m['name']} ({m['dtype']}, {m['device']}) on {report.machine.cpu}, "
+        f"specroute bench spec — {m['name']} ({_engine_label(c, m)}, {m['device']}) on {report.machine.cpu}, "
         f"{report.machine.torch_threads} torch threads; batch 1, greedy, ≤{c.max_tokens} tokens, "
         f"{c.prompts_per_category} prompts per category of the {c.prompt_set} set, fixed k = "
         f"{', '.join(map(str, c.fixed_k))}, auto k ≤ {c.k_max}"
@@ -475,13 +514,15 @@ def render_report(report: BenchSpecReport) -> str:
     if report.step_costs_ms:
         costs = "  ".join(f"{w}:{ms:.0f}" for w, ms in report.step_costs_ms.items())
         lines.append(f"target pass (ms) by new tokens per pass, probed then tracked over the run: {costs}")
+        lines.append(f"  v(1, k), a pass verifying k drafts in 1-token passes: {_verify_costs(report.step_costs_ms)}")
     header = f"  {'configuration':28} {'tok/s':>7} {'speedup':>8} {'decode':>7} {'model':>6} {'α':>5} {'acc.len':>7}"
     header += f" {'γ':>6} {'k̄':>5}  same"
     for category in report.categories:
         lines += ["", f"{category.category} ({category.prompts} prompts)", header]
         lines += [_run_line(run) for run in category.runs]
         lines += [
-            f"  ours over transformers: {name} = {ratio:.2f}×" for name, ratio in category.versus_transformers.items()
+            f"  ours over {_reference(name)}: {name} = {ratio:.2f}×"
+            for name, ratio in category.versus_transformers.items()
         ]
     lines += ["", "geometric mean over categories — speedup over plain; decoding alone; the cost model's:"]
     lines += [
@@ -518,6 +559,24 @@ def render_report(report: BenchSpecReport) -> str:
             for s in report.calibration
         ]
     return "\n".join(lines)
+
+
+def _engine_label(config: BenchSpecConfig, model: dict[str, object]) -> str:
+    """What the loops computed in: the torch target's dtype, or llama.cpp and the file's weight types."""
+    if config.engine == "llamacpp":
+        return f"llama.cpp engine, {model.get('gguf_types') or 'GGUF'}"
+    return str(model["dtype"])
+
+
+def _verify_costs(step_costs_ms: dict[str, float]) -> str:
+    one = step_costs_ms.get("1")
+    if not one:
+        return "—"
+    return "  ".join(f"k={int(w) - 1}: {ms / one:.2f}" for w, ms in step_costs_ms.items() if int(w) > 1)
+
+
+def _reference(name: str) -> str:
+    return "llama.cpp" if LlamaCppPeer.name in name else "transformers"
 
 
 def _prediction_lines(report: BenchSpecReport) -> list[str]:

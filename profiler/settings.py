@@ -8,6 +8,7 @@ from pydantic import BaseModel, Field
 from backends.errors import ModelLoadError
 from backends.models import LoadedModel, load_model
 from backends.quantized import needs_calibration, quantize, resolve_method
+from policies.engines import ENGINES, EngineName
 from policies.quantization import UNCALIBRATED, QuantChoice
 
 
@@ -24,9 +25,17 @@ class BenchTarget(ModelSettings):
     quantize: QuantChoice | None = Field(
         None, description="bench the target quantized by this weight-only/int8 method (the quantized backend's)"
     )
+    engine: EngineName = Field(
+        "torch", description=f"what runs the target's passes in the step loop ({', '.join(ENGINES)})"
+    )
 
 
 def load_target(config: BenchTarget) -> LoadedModel:
+    if config.engine != "torch" and config.quantize is not None:
+        raise ModelLoadError(
+            f"--quantize quantizes the torch engine's weights; the {config.engine} engine runs the GGUF file's own "
+            "weight types: drop --quantize, or use --engine torch"
+        )
     loaded = load_model(config.model, config.dtype, config.device, config.threads)
     if config.quantize is None:
         return loaded

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import ValidationError
 
 from policies.drafters import BENCHED_KINDS, KINDS, SERVED_KINDS, TRAINED_KINDS, DrafterConfig, option_kinds
+from policies.engines import ENGINE_SUMMARIES, ENGINES
 from policies.errors import UserError
 from policies.quantization import QUANT_CHOICES, UNCALIBRATED
 
@@ -296,6 +297,13 @@ def _add_model_args(parser: argparse.ArgumentParser, dtype: str = "float32") -> 
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
 
 
+def _add_engine_flag(parser: argparse.ArgumentParser) -> None:
+    summaries = "; ".join(f"{name}: {summary}" for name, summary in ENGINE_SUMMARIES.items())
+    parser.add_argument(
+        "--engine", default="torch", choices=ENGINES, help=f"what runs the target's passes ({summaries})"
+    )
+
+
 def _add_generate_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("prompt", nargs="?", help=f"the prompt; {DEFAULT_PROMPT_HELP}")
     parser.add_argument("--raw", action="store_true", help="complete the prompt as raw text, no chat template")
@@ -309,6 +317,7 @@ def _add_generate_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     _add_model_args(parser)
+    _add_engine_flag(parser)
 
 
 def _add_speculative_args(parser: argparse.ArgumentParser) -> None:
@@ -333,10 +342,14 @@ def _add_bench_invariance_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=32, help="tokens generated per request")
     parser.add_argument("--batches", default="2,4,8", help="comma-separated batch sizes rows are decoded in")
     parser.add_argument("--drafter", default="ngram", choices=KINDS, help="the speculative loop's drafter")
+    parser.add_argument(
+        "--k", default="auto", help="the speculative loop's k: auto, or an integer (every width verified)"
+    )
     parser.add_argument("--out", default="bench-invariance.json", help="where the JSON results go ('-' for none)")
     parser.add_argument("--json", action="store_true", help="print the JSON instead of the tables")
     _add_model_args(parser)
     _add_quantize_flag(parser)
+    _add_engine_flag(parser)
 
 
 def _add_bench_spec_args(parser: argparse.ArgumentParser) -> None:
@@ -369,6 +382,7 @@ def _add_bench_spec_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the JSON instead of the tables")
     _add_model_args(parser)
     _add_quantize_flag(parser)
+    _add_engine_flag(parser)
 
 
 def _add_serve_args(parser: argparse.ArgumentParser) -> None:
@@ -556,6 +570,7 @@ def run_generate(args: argparse.Namespace) -> int:
     engine = _engine(args, loaded)
     result = engine.generate([request])[0]
     label = "plain" if args.speculative is None else f"speculative {args.speculative}"
+    label += f" on {args.engine}" if args.engine != "torch" else ""
     if args.json:
         payload = {**result.model_dump(), "tokens_per_s": result.tokens_per_s, "engine": label}
         print(json.dumps(payload))
@@ -570,17 +585,18 @@ def run_generate(args: argparse.Namespace) -> int:
 def _engine(args: argparse.Namespace, loaded: object) -> object:
     """The plain backend's step loop (width-invariant where the dtype needs it, so its tokens are
     the speculative engine's), or the speculative engine with the drafter the flags describe."""
-    from backends.scheduler import Scheduler
+    from backends.scheduler import LoopSettings, Scheduler
 
+    settings = LoopSettings(engine=args.engine)
     if args.speculative is None:
         if args.k is not None:
             raise UsageError(f"--k needs --speculative: pick a drafter ({', '.join(KINDS)})")
-        return Scheduler(loaded)
+        return Scheduler(loaded, settings)
     from backends.speculative.engine import SpeculativeEngine
     from backends.speculative.factory import build_drafter
 
     drafter = build_drafter(_drafter_options(args, args.speculative), loaded)
-    return SpeculativeEngine(loaded, drafter, k=parse_k(args.k or "auto"), k_max=args.k_max)
+    return SpeculativeEngine(loaded, drafter, k=parse_k(args.k or "auto"), k_max=args.k_max, settings=settings)
 
 
 def parse_k(text: str) -> int | str:
@@ -621,6 +637,8 @@ def run_bench_invariance(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens,
         batch_sizes=_int_list(args.batches, "--batches"),
         drafter=args.drafter,
+        k=parse_k(args.k),
+        engine=args.engine,
     )
     _quiet_model_loading()
     report = run_bench_invariance(config)
@@ -643,6 +661,7 @@ def run_bench_spec(args: argparse.Namespace) -> int:
         calibrate=not args.no_calibrate,
         drafter=_drafter_options(args),
         transformers=not args.no_transformers,
+        engine=args.engine,
         **({"tile_width": args.tile_width} if args.tile_width is not None else {}),
     )
     _quiet_model_loading()

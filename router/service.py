@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
@@ -66,6 +66,18 @@ class ServiceSettings(BaseModel):
     profile_data: dict[str, Any] | None = Field(
         None, description="set by build_app: the profile itself, passed to replicas on any node (not for config files)"
     )
+
+    @model_validator(mode="after")
+    def _engine_served(self) -> ServiceSettings:
+        # The policy routes by the profile's torch cost curves and quality, and the quantized backend
+        # quantizes torch weights: a llama.cpp service needs its engine profiled, which is not built yet.
+        if self.backend.engine != "torch":
+            raise ValueError(
+                f"backend.engine {self.backend.engine!r}: the service runs the torch engine for now (its profile, "
+                "policy and quantized backend are measured on torch); the llama.cpp engine runs in `specroute "
+                "generate`, `bench spec` and `bench invariance` with --engine llamacpp"
+            )
+        return self
 
     def profile_path(self) -> Path:
         b = self.backend

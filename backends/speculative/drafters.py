@@ -98,6 +98,8 @@ class Drafter(ABC):
     free: bool = False  # drafting costs next to nothing (no model runs): always worth asking
     # Positions of this drafter's widest structured block (0: it drafts chains, k + 1 wide).
     widest_block: int = 0
+    # It runs the target's own layers (early exit): only an engine running those layers serves it.
+    reads_target_layers: bool = False
 
     @abstractmethod
     def propose(self, rows: Sequence[DraftRow], ks: Sequence[int], judge: DraftJudge | None = None) -> Proposal:
@@ -421,7 +423,9 @@ def build_ngram(config: DrafterConfig, target: LoadedModel) -> Drafter:
 
 
 def build_early_exit(config: DrafterConfig, target: LoadedModel) -> Drafter:
-    return named(ModelDrafter(early_exit_model(target.model, config.exit_layer), _vocab(target)), config)
+    drafter = named(ModelDrafter(early_exit_model(target.model, config.exit_layer), _vocab(target)), config)
+    drafter.reads_target_layers = True
+    return drafter
 
 
 def build_model_drafter(config: DrafterConfig, target: LoadedModel) -> Drafter:

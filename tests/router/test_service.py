@@ -244,3 +244,12 @@ def _wait(condition, timeout_s: float = 120.0) -> None:
             pass
         time.sleep(0.5)
     raise AssertionError("condition not reached in time")
+
+
+def test_the_service_refuses_an_engine_its_profile_does_not_measure():
+    from pydantic import ValidationError
+
+    from router.service import ServiceSettings
+
+    with pytest.raises(ValidationError, match="runs the torch engine for now"):
+        ServiceSettings.model_validate({"backend": {"engine": "llamacpp"}})

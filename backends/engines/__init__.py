@@ -1,0 +1,111 @@
+"""The engines the step loop drives: what holds a replica's KV cache and runs its target passes.
+
+The scheduler (`backends.scheduler`) talks to its target through one narrow interface, `Engine`:
+sequences that join (`add`), grow by blocks of new tokens fed in one pass (`logits`,
+`last_logits`), are cut back past rejected drafts (`truncate`) and leave (`remove`), with
+admission asking `can_reserve` first. Two implementations exist:
+
+- `torch_paged.TorchPagedEngine` — the transformers model over specroute's own paged KV cache
+  (`backends.kv`): the exact float reference, and the only engine that serves drafters reading the
+  target's hidden states (EAGLE, Medusa), its own layers (early exit) or tree-shaped blocks
+  (lookahead);
+- `llamacpp.LlamaCppEngine` — a `.gguf` model in llama.cpp (`llama-cpp-python`'s batch API), one
+  context per replica with a sequence per row: the engine CPU users already run, under the same
+  loop, drafters and policy.
+
+`policies.engines.ENGINES` names them once; `LoopSettings.engine` picks one per replica.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+from policies.engines import ENGINES, EngineName
+
+from ..errors import ModelLoadError
+
+if TYPE_CHECKING:
+    from ..kv import BlockStructure
+    from ..models import LoadedModel
+    from ..scheduler import LoopSettings
+    from ..speculative.drafters import Drafter
+
+__all__ = ["ENGINES", "Engine", "EngineName", "build_engine", "gguf_file"]
+
+
+class Engine(Protocol):
+    """What the step loop needs of the target: see the module docstring."""
+
+    name: EngineName
+    device: torch.device
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def usage(self) -> float: ...
+
+    @property
+    def sequence_tokens(self) -> int:
+        """The most tokens one sequence may ever hold (a longer request is refused at once)."""
+        ...
+
+    def add(self, reserve: int = 0) -> int: ...
+
+    def remove(self, seq: int) -> None: ...
+
+    def length(self, seq: int) -> int: ...
+
+    def truncate(self, seq: int, length: int) -> None: ...
+
+    def keep_branch(self, seq: int, start: int, kept: Sequence[int]) -> None: ...
+
+    def can_reserve(self, tokens: int) -> bool: ...
+
+    def logits(
+        self,
+        seqs: Sequence[int],
+        blocks: Sequence[Sequence[int]],
+        width: int | None = None,
+        structures: Sequence[BlockStructure | None] | None = None,
+    ) -> torch.Tensor: ...
+
+    def last_logits(self, seqs: Sequence[int], blocks: Sequence[Sequence[int]]) -> torch.Tensor: ...
+
+    def features(self, layers: Sequence[int]) -> torch.Tensor: ...
+
+    def refusal(self, drafter: Drafter) -> str | None:
+        """Why this engine cannot serve `drafter` (None: it can)."""
+        ...
+
+
+def build_engine(
+    loaded: LoadedModel, settings: LoopSettings, feature_layers: Sequence[int] = (), tile: int | None = None
+) -> Engine:
+    """The engine `settings.engine` names for this target, sized by the loop's settings."""
+    if settings.engine == "llamacpp":
+        from .llamacpp import LlamaCppEngine
+
+        threads = torch.get_num_threads()  # the replica's thread cap applies to both engines
+        return LlamaCppEngine(
+            gguf_file(loaded), settings.cache_tokens, settings.max_batch, threads, settings.max_step_tokens
+        )
+    from .torch_paged import TorchPagedEngine
+
+    return TorchPagedEngine(
+        loaded.model, settings.cache_tokens, feature_layers=feature_layers, tile=tile, tile_rows=settings.tile_max_rows
+    )
+
+
+def gguf_file(loaded: LoadedModel) -> Path:
+    """The `.gguf` file a llama.cpp engine serves for this target."""
+    if loaded.gguf is None:
+        raise ModelLoadError(
+            f"the llama.cpp engine serves GGUF files; {loaded.info.name} was loaded from another format: "
+            "pass a .gguf model (or the embedded one), or use engine torch"
+        )
+    return loaded.gguf

@@ -1,0 +1,324 @@
+"""The llama.cpp engine: a `.gguf` model served by llama.cpp (the `llama-cpp-python` bindings),
+driven through its batch API by the same step loop, drafters and policy as the torch engine.
+
+One llama.cpp context per replica holds every running row as a sequence (`seq_id`), each in a
+KV stream of its own. A row's tokens must not depend on how they were computed — alone or beside
+other rows, verified in a block of k + 1 or decoded one by one, its prompt in one chunk or
+several — or speculation would not return plain decoding's tokens. Measured here (`bench
+invariance --engine llamacpp`), llama.cpp gives that only with flash attention over a KV cache
+quantized to 8 bits (Q8_0, as `-ctk q8_0 -ctv q8_0`): over its default F16 cache, a pass of one
+token and a pass of several round attention differently (without flash attention at every
+context, with it from ~250 cached tokens, and prompts cut into other chunks differ from ~100), and
+one unified cache for all rows did once rows left and their cells were reused. Q8_0 also halves
+the cache's bytes; it is part of the numerical model whose quality is measured against the float
+target. A pass is one `llama_decode` of a batch whose tokens carry explicit positions
+and sequence ids, with logits requested only where the loop reads them (every position of a
+verified block, the last token of a prompt chunk); rejected drafts are cut with
+`llama_memory_seq_rm`. Weights keep the file's own quantization types and llama.cpp's kernels
+(which quantize activations to 8 bits in the dot products), so this is a different numerical
+model from the float torch target: its output is exact *to itself* — speculation on this engine
+returns the tokens its plain decoding returns (checked by the tests and `bench invariance`).
+
+Memory is split evenly: each of `max_sequences` rows may hold `max_tokens / max_sequences` tokens
+(llama-server's slots); a request whose prompt + max_tokens exceeds its row's share is refused at
+once (`sequence_tokens`), and every admitted row fits.
+
+Drafters that need more of the target than tokens — its hidden states (EAGLE, Medusa), its own
+layers (early exit), tree-shaped blocks (lookahead) — are refused with the reason (`refusal`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import math
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from ..errors import ModelLoadError
+from ..kv import BLOCK_TOKENS, BlockStructure, CacheFull
+
+if TYPE_CHECKING:
+    from ..speculative.drafters import Drafter
+    from . import EngineName
+
+log = logging.getLogger("specroute.llamacpp")
+INSTALL_HINT = (
+    "install it with `pip install llama-cpp-python` (a source build with the system's C compiler and cmake, "
+    "several minutes on 2 cores; `make install` does it)"
+)
+FLASH_ATTENTION_ON = 1  # llama.cpp's LLAMA_FLASH_ATTN_TYPE_ENABLED
+KV_TYPE_Q8_0 = 8  # ggml's GGML_TYPE_Q8_0
+KV_CACHE_TYPE = "q8_0"  # the same, as llama.cpp's tools and `llama_cpp.Llama(type_k=...)` name it
+PROBE_CONTEXT = 64  # tokens per row in the step-cost probe, as the torch engine's probe
+_LOAD = threading.Lock()
+
+
+@functools.cache
+def llama_unavailable() -> str | None:
+    """Why llama.cpp cannot run in this process (None: it can)."""
+    try:
+        import llama_cpp  # noqa: F401
+    except Exception as exc:  # an import of a native library can fail in many ways: say which
+        return f"llama.cpp is unavailable: `import llama_cpp` failed ({type(exc).__name__}: {exc}); {INSTALL_HINT}"
+    return None
+
+
+def _llama() -> Any:
+    """The `llama_cpp` module, its backend initialised once and its log kept to warnings."""
+    reason = llama_unavailable()
+    if reason is not None:
+        raise ModelLoadError(reason)
+    import llama_cpp
+
+    _init_backend(llama_cpp)
+    return llama_cpp
+
+
+@functools.cache
+def _init_backend(llama_cpp: Any) -> None:
+    global _LOG_CALLBACK
+    # llama.cpp prints every tensor and buffer it sets up; only its warnings and errors go to our log.
+    _LOG_CALLBACK = llama_cpp.llama_log_callback(_forward_log)
+    llama_cpp.llama_log_set(_LOG_CALLBACK, ctypes.c_void_p(0))
+    llama_cpp.llama_backend_init()
+
+
+_LOG_CALLBACK: Any = None  # kept referenced: llama.cpp calls it for the life of the process
+
+
+def _forward_log(level: int, text: bytes, _user_data: Any) -> None:
+    if level in (3, 4):  # ggml's GGML_LOG_LEVEL_WARN, GGML_LOG_LEVEL_ERROR
+        log.log(logging.WARNING if level == 3 else logging.ERROR, "%s", text.decode(errors="replace").rstrip())
+
+
+@functools.cache
+def _model(path: str) -> Any:
+    """The llama.cpp model at `path`, loaded once per process and shared by every context."""
+    llama_cpp = _llama()
+    with _LOAD:
+        params = llama_cpp.llama_model_default_params()
+        model = llama_cpp.llama_model_load_from_file(path.encode(), params)
+    if not model:
+        raise ModelLoadError(f"llama.cpp could not load {path}: is it a GGUF file of an architecture it supports?")
+    return model
+
+
+def gguf_weight_types(path: Path) -> str:
+    """llama.cpp's description of the model at `path`, e.g. 'llama ?B Q4_1' (architecture, size, weight type)."""
+    llama_cpp = _llama()
+    buffer = ctypes.create_string_buffer(256)
+    llama_cpp.llama_model_desc(_model(str(path)), buffer, len(buffer))
+    return buffer.value.decode()
+
+
+class LlamaCppEngine:
+    """The step loop's engine over one llama.cpp context (see the module docstring)."""
+
+    name: EngineName = "llamacpp"
+    device = torch.device("cpu")
+
+    def __init__(self, path: Path, max_tokens: int, max_sequences: int, threads: int, batch_tokens: int = 512):
+        """`max_tokens`: the most tokens the KV cache holds over all sequences; `max_sequences`: the
+        most rows at once; `batch_tokens`: the most tokens one pass feeds (the step's budget)."""
+        llama_cpp = self._api = _llama()
+        if not 1 <= max_sequences <= llama_cpp.llama_max_parallel_sequences():
+            raise ModelLoadError(
+                f"llama.cpp runs at most {llama_cpp.llama_max_parallel_sequences()} sequences in one context; "
+                f"{max_sequences} were asked for: lower max_batch"
+            )
+        self.path = Path(path)
+        self.model = _model(str(self.path))
+        # Each row's share in whole blocks (llama.cpp splits n_ctx evenly over the sequences).
+        share = max(math.ceil(max_tokens / max_sequences / BLOCK_TOKENS), 1) * BLOCK_TOKENS
+        params = llama_cpp.llama_context_default_params()
+        params.n_ctx = share * max_sequences
+        params.n_batch = params.n_ubatch = max(batch_tokens, 1)
+        params.n_seq_max = max_sequences
+        params.n_threads = params.n_threads_batch = max(threads, 1)
+        params.kv_unified = False  # a stream per row: see the module docstring
+        params.flash_attn_type = FLASH_ATTENTION_ON  # with a Q8_0 cache: width- and batch-invariant
+        params.type_k = params.type_v = KV_TYPE_Q8_0
+        params.no_perf = True
+        self.ctx = llama_cpp.llama_init_from_model(self.model, params)
+        if not self.ctx:
+            raise ModelLoadError(f"llama.cpp could not create a context of {params.n_ctx} tokens for {self.path}")
+        self.batch_tokens = params.n_batch
+        self.sequence_tokens = llama_cpp.llama_n_ctx_seq(self.ctx)
+        self.memory = llama_cpp.llama_get_memory(self.ctx)
+        self._vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(self.model))
+        self._batch = llama_cpp.llama_batch_init(self.batch_tokens, 0, 1)
+        self.max_sequences = max_sequences
+        self._free_ids = list(range(max_sequences - 1, -1, -1))
+        self.lengths: dict[int, int] = {}
+
+    # -- sequences --------------------------------------------------------------------------
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab
+
+    def add(self, reserve: int = 0) -> int:
+        """A new empty sequence; `reserve` tokens are promised to it (see `can_reserve`)."""
+        if not self._free_ids:
+            raise CacheFull("every llama.cpp sequence of this context is in use")
+        if not self.can_reserve(reserve):
+            raise CacheFull(f"no room to reserve {reserve} tokens")
+        seq = self._free_ids.pop()
+        self.lengths[seq] = 0
+        return seq
+
+    def remove(self, seq: int) -> None:
+        self._api.llama_memory_seq_rm(self.memory, seq, -1, -1)
+        del self.lengths[seq]
+        self._free_ids.append(seq)
+
+    def length(self, seq: int) -> int:
+        return self.lengths[seq]
+
+    def truncate(self, seq: int, length: int) -> None:
+        """Keep the first `length` tokens (rejected drafts are forgotten)."""
+        if not 0 <= length <= self.lengths[seq]:
+            raise ValueError(f"truncate can only shorten a sequence ({self.lengths[seq]} → {length})")
+        if length < self.lengths[seq]:
+            self._api.llama_memory_seq_rm(self.memory, seq, length, -1)
+        self.lengths[seq] = length
+
+    def keep_branch(self, seq: int, start: int, kept: Sequence[int]) -> None:
+        raise NotImplementedError("the llama.cpp engine verifies chains only (see refusal)")
+
+    def can_reserve(self, tokens: int) -> bool:
+        """A free row whose share holds `tokens`."""
+        return bool(self._free_ids) and tokens <= self.sequence_tokens
+
+    @property
+    def usage(self) -> float:
+        """Share of the KV cache held by sequences now (vLLM's kv_cache_usage_perc, as 0..1)."""
+        return sum(self.lengths.values()) / (self.sequence_tokens * self.max_sequences)
+
+    def refusal(self, drafter: Drafter) -> str | None:
+        if drafter.feature_layers:
+            return "it reads the target's hidden states, which llama.cpp does not expose per layer"
+        if drafter.widest_block:
+            return "it verifies tree-shaped blocks, and llama.cpp's batches are causal chains per sequence"
+        if drafter.reads_target_layers:
+            return "it runs the target's own layers in torch, a different numerical model from llama.cpp's"
+        return None
+
+    # -- passes -----------------------------------------------------------------------------
+    def logits(
+        self,
+        seqs: Sequence[int],
+        blocks: Sequence[Sequence[int]],
+        width: int | None = None,
+        structures: Sequence[BlockStructure | None] | None = None,
+    ) -> torch.Tensor:
+        """Logits at every block position, (B, W, V), W = max(width, longest block); positions past a
+        row's block are zeros (llama.cpp computes no padding: a pass costs its real tokens)."""
+        if structures is not None and any(s is not None for s in structures):
+            raise NotImplementedError("the llama.cpp engine verifies chains only (see refusal)")
+        counts = [len(b) for b in blocks]
+        rows = self._decode(seqs, blocks, [list(range(c)) for c in counts])
+        out = torch.zeros((len(seqs), max([width or 0, *counts, 1]), self._vocab), dtype=torch.float32)
+        start = 0
+        for row, count in enumerate(counts):
+            out[row, :count] = rows[start : start + count]
+            start += count
+        return out
+
+    def last_logits(self, seqs: Sequence[int], blocks: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Logits after each sequence's last new token, (B, V)."""
+        return self._decode(seqs, blocks, [[len(b) - 1] for b in blocks])
+
+    def features(self, layers: Sequence[int]) -> torch.Tensor:
+        raise NotImplementedError("the llama.cpp engine exposes no hidden states (see refusal)")
+
+    def _decode(self, seqs: Sequence[int], blocks: Sequence[Sequence[int]], wanted: list[list[int]]) -> torch.Tensor:
+        """Feed every row its block at its next positions in passes of at most `batch_tokens`
+        tokens; the logits at the `wanted` block indices, in row order, (outputs, V)."""
+        items = [
+            (seq, self.lengths[seq] + i, token, i in want)
+            for seq, block, want in zip(seqs, blocks, wanted, strict=True)
+            for i, token in enumerate(block)
+        ]
+        parts = [self._pass(items[i : i + self.batch_tokens]) for i in range(0, len(items), self.batch_tokens)]
+        for seq, block in zip(seqs, blocks, strict=True):
+            self.lengths[seq] += len(block)
+        if not parts:
+            return torch.zeros((0, self._vocab))
+        return torch.cat(parts)
+
+    def _pass(self, items: list[tuple[int, int, int, bool]]) -> torch.Tensor:
+        batch = self._batch
+        batch.n_tokens = len(items)
+        for i, (seq, position, token, want) in enumerate(items):
+            batch.token[i], batch.pos[i], batch.logits[i] = token, position, want
+            batch.n_seq_id[i] = 1
+            batch.seq_id[i][0] = seq
+        status = self._api.llama_decode(self.ctx, batch)
+        if status == 1:
+            raise CacheFull(f"llama.cpp found no room in a row's KV cache of {self.sequence_tokens} tokens")
+        if status != 0:
+            raise RuntimeError(f"llama.cpp failed a pass of {len(items)} tokens (llama_decode returned {status})")
+        outputs = sum(1 for item in items if item[3])
+        if not outputs:
+            return torch.zeros((0, self._vocab))
+        pointer = self._api.llama_get_logits(self.ctx)
+        return torch.from_numpy(np.ctypeslib.as_array(pointer, shape=(outputs, self._vocab)).copy())
+
+    def fill(self, seq: int, count: int, generator: np.random.Generator) -> None:
+        """`count` tokens of random context (a real pass: llama.cpp has no placeholder keys), for
+        timing passes, whose cost depends on how long the context is, not on what it holds."""
+        tokens = generator.integers(0, self._vocab, count).tolist()
+        self._decode([seq], [tokens], [[]])
+
+    def close(self) -> None:
+        """Free the context now rather than when the garbage collector gets to it."""
+        if self.ctx:
+            self._api.llama_batch_free(self._batch)
+            self._api.llama_free(self.ctx)
+            self.ctx = None
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown: the library may be gone already
+            pass
+
+
+def measure_llamacpp_step_times(
+    path: Path,
+    batch: int,
+    widths: Sequence[int],
+    threads: int,
+    context: int = PROBE_CONTEXT,
+    repeats: int = 3,
+) -> dict[int, float]:
+    """Best-of-`repeats` seconds of a llama.cpp pass of each width (new tokens per row) for `batch`
+    rows over `context` cached tokens each, in a context of its own on the same model (rounds go
+    round all widths in turn, as the torch probe's)."""
+    tokens = batch * (context + max(widths)) + BLOCK_TOKENS
+    engine = LlamaCppEngine(path, tokens, batch, threads, batch_tokens=max(batch * max(widths), context))
+    generator = np.random.default_rng(0)
+    try:
+        seqs = [engine.add() for _ in range(batch)]
+        for seq in seqs:
+            engine.fill(seq, context, generator)
+        seconds = dict.fromkeys(widths, float("inf"))
+        for _ in range(repeats):
+            for width in widths:
+                blocks = [generator.integers(0, engine.vocab_size, width).tolist() for _ in seqs]
+                begun = time.perf_counter()
+                engine.logits(seqs, blocks)
+                seconds[width] = min(seconds[width], time.perf_counter() - begun)
+                for seq in seqs:
+                    engine.truncate(seq, context)
+        return seconds
+    finally:
+        engine.close()
