@@ -20,7 +20,7 @@ from backends.speculative.factory import build_drafter
 from policies.drafters import DrafterConfig, DrafterKind
 
 from .hardware import MachineInfo, machine_info
-from .settings import BenchTarget, load_target
+from .settings import LoopBenchTarget, load_target
 from .workloads import load_prompt_set
 
 Mode = Literal["alone", "every-pass", "off"]
@@ -32,7 +32,7 @@ MODES: dict[str, LoopSettings] = {
 }
 
 
-class BenchInvarianceConfig(BenchTarget):
+class BenchInvarianceConfig(LoopBenchTarget):
     prompts_per_category: int = Field(2, ge=1, le=7, description="held-out prompts per category")
     max_tokens: int = Field(32, ge=1, le=1024)
     batch_sizes: list[Annotated[int, Field(ge=2)]] = Field(default_factory=lambda: [2, 4, 8], min_length=1)

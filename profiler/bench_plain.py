@@ -2,25 +2,34 @@
 prompts in the same run (interleaved, so machine noise hits both alike), tokens/s as the batch
 grows, and how close a batch-1 decode step comes to the machine's memory bandwidth — with the
 linear layers packed (`backends.packing`) and with torch's own linear, alternating in the same
-run, beside which of the two the load chose for this machine (`backends.kernels`)."""
+run, beside which of the two the load chose for this machine (`backends.kernels`). Where llama.cpp
+is installed and the model is a GGUF file, the step loop on the llama.cpp engine runs beside
+llama.cpp's own generation of the same file and the torch step loop (interleaved too), and its
+tokens/s as the batch grows."""
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from typing import Annotated
 
+import torch
 from pydantic import BaseModel, Field
 from tqdm import tqdm
 from transformers import GenerationConfig
 
+from backends.engines import gguf_file
+from backends.engines.llamacpp import gguf_weight_types, llama_unavailable
 from backends.generation import ChatMessage, GenerationRequest
 from backends.kernels import apply_linear_kernels
 from backends.models import LoadedModel
 from backends.packing import packing_available
 from backends.plain import PlainEngine
+from backends.scheduler import LoopSettings, Scheduler
 
 from .hardware import MachineInfo, machine_info, measure_copy_bandwidth, measure_matvec_bandwidth
+from .peers import LlamaCppPeer
 from .settings import BenchTarget, load_target
 
 BENCH_PROMPTS = (
@@ -74,12 +83,27 @@ class BandwidthUse(BaseModel):
         return self.weight_bytes / (step_ms / 1e3) / self.copy_bytes_per_s
 
 
+class LlamaCppPlain(BaseModel):
+    """The step loop on the llama.cpp engine against llama.cpp's own generation of the same file."""
+
+    unavailable: str | None = Field(None, description="why this section was not measured (then nothing else is set)")
+    weight_types: str | None = Field(None, description="llama.cpp's description of the file (architecture, types)")
+    requests: int = 0
+    engine_tokens_per_s: float = Field(0.0, description="specroute's step loop on the llama.cpp engine, batch 1")
+    peer_tokens_per_s: float = Field(0.0, description="llama.cpp's own generation (Llama.generate), batch 1")
+    torch_tokens_per_s: float = Field(0.0, description="specroute's step loop on the torch engine, batch 1")
+    ratio: float = Field(0.0, description="engine tokens/s over the peer's")
+    identical_prompts: int = Field(0, description="prompts whose greedy tokens equal the peer's")
+    batches: list[BatchPoint] = Field(default_factory=list, description="the llama.cpp engine's loop by batch size")
+
+
 class BenchPlainReport(BaseModel):
     machine: MachineInfo
     model: dict[str, object]
     comparison: GenerateComparison
     batches: list[BatchPoint]
     bandwidth: BandwidthUse
+    llamacpp: LlamaCppPlain | None = None
 
 
 def run_bench_plain(config: BenchPlainConfig) -> BenchPlainReport:
@@ -89,7 +113,7 @@ def run_bench_plain(config: BenchPlainConfig) -> BenchPlainReport:
         GenerationRequest(messages=[ChatMessage(role="user", content=p)], max_tokens=config.max_tokens, ignore_eos=True)
         for p in BENCH_PROMPTS
     ]
-    total = 2 * config.rounds * len(requests) + len(config.batch_sizes) + 1
+    total = 3 * config.rounds * len(requests) + 2 * len(config.batch_sizes) + 1
     with tqdm(total=total, desc="bench plain", unit="run", leave=False) as bar:
         _warm_up(engine, loaded, requests[0])
         copy_bandwidth = measure_copy_bandwidth(device=config.device)
@@ -98,6 +122,7 @@ def run_bench_plain(config: BenchPlainConfig) -> BenchPlainReport:
         comparison = _compare_with_generate(engine, loaded, requests, config.rounds, bar)
         batches = [_batch_point(engine, requests, size, bar) for size in config.batch_sizes]
         steps = _decode_steps(engine, loaded, requests[0], config.rounds)
+        llama = _llamacpp_section(loaded, requests, config, bar)
     decode_step_s = steps[loaded.info.linear_kernels or "as loaded"]
     achieved = loaded.info.weight_bytes / decode_step_s
     return BenchPlainReport(
@@ -118,6 +143,49 @@ def run_bench_plain(config: BenchPlainConfig) -> BenchPlainReport:
             packed_decode_step_ms=steps["packed"] * 1e3 if "packed" in steps else None,
             torch_decode_step_ms=steps["torch"] * 1e3 if "torch" in steps else None,
         ),
+        llamacpp=llama,
+    )
+
+
+def _llamacpp_section(
+    loaded: LoadedModel, requests: list[GenerationRequest], config: BenchPlainConfig, bar: tqdm
+) -> LlamaCppPlain:
+    """Batch-1 tokens/s of the llama.cpp engine's loop, llama.cpp's own generation and the torch
+    loop on the same requests (who goes first rotates), then the engine's loop by batch size."""
+    reason = llama_unavailable() or (None if loaded.gguf else f"{loaded.info.name} was not loaded from a GGUF file")
+    if reason is not None or config.quantize is not None:
+        return LlamaCppPlain(unavailable=reason or "the torch target is quantized here (--quantize)")
+    widest = max(config.batch_sizes)
+    settings = LoopSettings(engine="llamacpp", max_batch=widest, kv_cache_tokens=widest * 1024)
+    engine, reference = Scheduler(loaded, settings), Scheduler(loaded)
+    peer = LlamaCppPeer(gguf_file(loaded), torch.get_num_threads())
+    runs: dict[str, Callable[[GenerationRequest], list[int]]] = {
+        "engine": lambda r: engine.generate([r])[0].token_ids,
+        "peer": lambda r: peer.generate(engine.plain.encode(r), r.max_tokens),  # ignore_eos: no EOS ids
+        "torch": lambda r: reference.generate([r])[0].token_ids,
+    }
+    for run in runs.values():  # untimed: first passes set up buffers and kernels
+        run(requests[0].model_copy(update={"max_tokens": 4}))
+    seconds, same = dict.fromkeys(runs, 0.0), 0
+    for index in range(config.rounds * len(requests)):
+        request, names = requests[index % len(requests)], list(runs)
+        tokens = {}
+        for name in names[index % 3 :] + names[: index % 3]:
+            tokens[name], elapsed = _timed(functools.partial(runs[name], request))
+            seconds[name] += elapsed
+        same += tokens["engine"] == tokens["peer"]
+        bar.update()
+    count = config.rounds * sum(r.max_tokens for r in requests)
+    rates = {name: count / s for name, s in seconds.items()}
+    return LlamaCppPlain(
+        weight_types=gguf_weight_types(gguf_file(loaded)),
+        requests=config.rounds * len(requests),
+        engine_tokens_per_s=rates["engine"],
+        peer_tokens_per_s=rates["peer"],
+        torch_tokens_per_s=rates["torch"],
+        ratio=rates["engine"] / rates["peer"],
+        identical_prompts=same,
+        batches=[_batch_point(engine, requests, size, bar) for size in config.batch_sizes],
     )
 
 
@@ -197,7 +265,9 @@ def _timed(run: Callable[[], list[int]]) -> tuple[list[int], float]:
     return tokens, time.perf_counter() - start
 
 
-def _batch_point(engine: PlainEngine, requests: list[GenerationRequest], size: int, bar: tqdm) -> BatchPoint:
+def _batch_point(
+    engine: PlainEngine | Scheduler, requests: list[GenerationRequest], size: int, bar: tqdm
+) -> BatchPoint:
     batch = [requests[i % len(requests)] for i in range(size)]
     start = time.perf_counter()
     results = engine.generate(batch)
@@ -211,8 +281,6 @@ def _batch_point(engine: PlainEngine, requests: list[GenerationRequest], size: i
 
 
 def _hf_generate(loaded: LoadedModel, prompt_ids: list[int], max_tokens: int) -> list[int]:
-    import torch
-
     input_ids = torch.tensor([prompt_ids], device=loaded.model.device)
     # eos_token_id=[] keeps generating past EOS, as ignore_eos does on our side.
     config = GenerationConfig(
@@ -262,4 +330,29 @@ def render_report(report: BenchPlainReport) -> str:
         ]
     if bw.kernels_reason is not None:
         lines += [f"  the load chose {bw.kernels_reason}"]
-    return "\n".join(lines)
+    return "\n".join(lines + _llamacpp_lines(report.llamacpp))
+
+
+def _llamacpp_lines(llama: LlamaCppPlain | None) -> list[str]:
+    if llama is None:
+        return []
+    if llama.unavailable is not None:
+        return ["", f"llama.cpp engine: not measured ({llama.unavailable})"]
+    base = llama.batches[0].tokens_per_s if llama.batches else 0.0
+    lines = [
+        "",
+        f"llama.cpp ({llama.weight_types}), batch 1, {llama.requests} requests, interleaved:",
+        f"  specroute loop, llama.cpp engine {llama.engine_tokens_per_s:8.2f} tok/s",
+        f"  llama.cpp's own generation       {llama.peer_tokens_per_s:8.2f} tok/s",
+        f"  specroute loop, torch engine     {llama.torch_tokens_per_s:8.2f} tok/s",
+        f"  engine over llama.cpp's own      {llama.ratio:8.3f}×",
+        f"  greedy tokens equal to its own   {llama.identical_prompts} of {llama.requests} requests "
+        "(its defaults: F16 cache, no flash attention; the engine: Q8_0 cache, flash attention)",
+        "",
+        "batch scaling (step loop, llama.cpp engine):",
+        "  batch      tok/s   step ms   × batch-1 tok/s",
+    ]
+    return lines + [
+        f"  {p.batch_size:5d} {p.tokens_per_s:10.1f} {p.step_ms:9.1f} {p.tokens_per_s / base:10.2f}×"
+        for p in llama.batches
+    ]

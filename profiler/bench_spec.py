@@ -41,7 +41,7 @@ from policies.profile import AcceptanceMap, ReliabilityBin
 
 from .hardware import MachineInfo, machine_info
 from .peers import LlamaCppPeer
-from .settings import BenchTarget, load_target
+from .settings import LoopBenchTarget, load_target
 from .workloads import PromptSetName, load_prompt_set
 
 PLAIN = "plain"
@@ -50,7 +50,7 @@ FLOAT32 = "plain, float32"  # the float32 plain backend: what a reduced-precisio
 PREDICTION_TOLERANCE = 0.15  # the lookahead issue's target: measured within 15% of a predicted win
 
 
-class BenchSpecConfig(BenchTarget):
+class BenchSpecConfig(LoopBenchTarget):
     max_tokens: int = Field(96, ge=2, le=2048, description="upper bound per request; EOS ends a request earlier")
     categories: list[str] | None = Field(None, description="default: every category of the prompt set")
     prompts_per_category: int = Field(3, ge=1)

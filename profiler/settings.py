@@ -3,7 +3,7 @@ many torch threads."""
 
 from __future__ import annotations
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 
 from backends.errors import ModelLoadError
 from backends.models import LoadedModel, load_model
@@ -25,17 +25,26 @@ class BenchTarget(ModelSettings):
     quantize: QuantChoice | None = Field(
         None, description="bench the target quantized by this weight-only/int8 method (the quantized backend's)"
     )
+
+
+class LoopBenchTarget(BenchTarget):
+    """A bench of step loops, on either engine."""
+
     engine: EngineName = Field(
         "torch", description=f"what runs the target's passes in the step loop ({', '.join(ENGINES)})"
     )
 
+    @model_validator(mode="after")
+    def _quantize_is_torchs(self) -> LoopBenchTarget:
+        if self.engine != "torch" and self.quantize is not None:
+            raise ValueError(
+                f"--quantize quantizes the torch engine's weights; the {self.engine} engine runs the GGUF file's own "
+                "weight types: drop --quantize, or use --engine torch"
+            )
+        return self
+
 
 def load_target(config: BenchTarget) -> LoadedModel:
-    if config.engine != "torch" and config.quantize is not None:
-        raise ModelLoadError(
-            f"--quantize quantizes the torch engine's weights; the {config.engine} engine runs the GGUF file's own "
-            "weight types: drop --quantize, or use --engine torch"
-        )
     loaded = load_model(config.model, config.dtype, config.device, config.threads)
     if config.quantize is None:
         return loaded
