@@ -34,6 +34,7 @@ MODES: dict[str, LoopSettings] = {
 
 class BenchInvarianceConfig(LoopBenchTarget):
     prompts_per_category: int = Field(2, ge=1, le=7, description="held-out prompts per category")
+    categories: list[str] | None = Field(None, description="default: every category of the held-out set")
     max_tokens: int = Field(32, ge=1, le=1024)
     batch_sizes: list[Annotated[int, Field(ge=2)]] = Field(default_factory=lambda: [2, 4, 8], min_length=1)
     drafter: DrafterKind = "ngram"
@@ -76,11 +77,15 @@ class BenchInvarianceReport(BaseModel):
 
 
 def run_bench_invariance(config: BenchInvarianceConfig) -> BenchInvarianceReport:
+    prompt_set = load_prompt_set("heldout")
+    unknown = sorted(set(config.categories or ()) - set(prompt_set.categories))
+    if unknown:  # before loading anything
+        raise ValueError(f"unknown categories {unknown}: choose from {sorted(prompt_set.categories)}")
     loaded = load_target(config)
     requests = [
         GenerationRequest(messages=p.messages, max_tokens=config.max_tokens)
-        for category in load_prompt_set("heldout").categories.values()
-        for p in category.prompts[: config.prompts_per_category]
+        for name in config.categories or list(prompt_set.categories)
+        for p in prompt_set.categories[name].prompts[: config.prompts_per_category]
     ]
     drafter = build_drafter(DrafterConfig(kind=config.drafter), loaded)
     agreements, speeds = [], []

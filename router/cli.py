@@ -345,6 +345,7 @@ def _add_bench_invariance_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--k", default="auto", help="the speculative loop's k: auto, or an integer (every width verified)"
     )
+    parser.add_argument("--categories", help="comma-separated held-out categories (default: all)")
     parser.add_argument("--out", default="bench-invariance.json", help="where the JSON results go ('-' for none)")
     parser.add_argument("--json", action="store_true", help="print the JSON instead of the tables")
     _add_model_args(parser)
@@ -638,6 +639,7 @@ def run_bench_invariance(args: argparse.Namespace) -> int:
         batch_sizes=_int_list(args.batches, "--batches"),
         drafter=args.drafter,
         k=parse_k(args.k),
+        categories=_str_list(args.categories) if args.categories else None,
         engine=args.engine,
     )
     _quiet_model_loading()

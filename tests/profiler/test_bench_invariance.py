@@ -1,6 +1,7 @@
 import pytest
 from pydantic import ValidationError
 
+from backends.engines.llamacpp import llama_unavailable
 from profiler.bench_invariance import BenchInvarianceConfig, render_report, run_bench_invariance
 
 from ..conftest import NATIVE_BF16_ONLY
@@ -40,8 +41,34 @@ def test_bench_invariance_compares_every_way_of_computing_a_request_in_every_mod
     ) in lines
 
 
+@pytest.mark.skipif(llama_unavailable() is not None, reason="llama-cpp-python is not installed here")
+def test_on_the_llama_cpp_engine_every_way_of_computing_gives_the_same_tokens(loaded):
+    """One mode (no tiles), every proposal verified (fixed k): the engine's attention settings make
+    speculative and batched output equal to plain output alone (the categories with short prompts:
+    llama.cpp prefills ~150 tokens/s here)."""
+    config = BenchInvarianceConfig(
+        engine="llamacpp",
+        k=3,
+        categories=["chat", "qa"],
+        prompts_per_category=2,
+        max_tokens=16,
+        batch_sizes=[3],
+    )
+    report = run_bench_invariance(config)
+    assert report.engine == "llamacpp" and report.k == "3"
+    assert [(a.width_invariant, a.compared, a.batch_size) for a in report.agreements] == [
+        ("off", "speculative vs plain", 1),
+        ("off", "plain batched vs plain alone", 3),
+        ("off", "speculative batched vs plain alone", 3),
+    ]
+    assert all(a.identical == a.prompts == 4 for a in report.agreements), render_report(report)
+    assert "llamacpp engine" in render_report(report)
+
+
 def test_bench_invariance_config_rejects_nonsense():
     with pytest.raises(ValidationError, match="batch_sizes"):
         BenchInvarianceConfig(batch_sizes=[1])
     with pytest.raises(ValidationError, match="drafter"):
         BenchInvarianceConfig(drafter="telepathy")
+    with pytest.raises(ValueError, match="unknown categories"):
+        run_bench_invariance(BenchInvarianceConfig(categories=["poetry"]))

@@ -1,6 +1,7 @@
 import pytest
 from pydantic import ValidationError
 
+from backends.engines.llamacpp import llama_unavailable
 from backends.packing import packing_available
 from profiler.bench_plain import BenchPlainConfig, render_report, run_bench_plain
 
@@ -46,6 +47,19 @@ def test_bench_plain_reports_a_side_by_side_ratio_and_bandwidth(loaded):
             bandwidth.weight_bytes / (plain / 1e3) / bandwidth.copy_bytes_per_s
         )
         assert f"step with torch's own linear   {plain:7.1f} ms  →  {bandwidth.fraction_at(plain):.1%}" in text
+    # The llama.cpp section: measured where llama.cpp is installed (the embedded model is a GGUF
+    # file), else it says why not.
+    llama = report.llamacpp
+    assert llama is not None
+    if llama_unavailable() is not None:
+        assert llama.unavailable == llama_unavailable() and "llama.cpp engine: not measured" in text
+        return
+    assert llama.unavailable is None and "Q4_1" in llama.weight_types
+    assert llama.requests == 4 and 0 <= llama.identical_prompts <= 4
+    assert llama.ratio == pytest.approx(llama.engine_tokens_per_s / llama.peer_tokens_per_s)
+    assert min(llama.engine_tokens_per_s, llama.peer_tokens_per_s, llama.torch_tokens_per_s) > 0
+    assert [p.batch_size for p in llama.batches] == [1, 3] and all(p.tokens_per_s > 0 for p in llama.batches)
+    assert f"  engine over llama.cpp's own      {llama.ratio:8.3f}×" in lines
 
 
 def test_bench_config_rejects_nonsense():

@@ -3,6 +3,7 @@ import json
 import pytest
 from pydantic import ValidationError
 
+from backends.engines.llamacpp import llama_unavailable
 from profiler.bench_spec import BenchSpecConfig, render_report, run_bench_spec
 from router.cli import main
 
@@ -69,6 +70,33 @@ def test_bench_spec_compares_every_configuration_on_the_same_prompts(loaded):
     ratio = report.auto_versus_best_fixed["ngram"]["rag"]
     assert ratio == pytest.approx(auto.tokens_per_s / category.runs[1].tokens_per_s)
     assert f"rag {ratio:.2f}" in text
+
+
+@pytest.mark.skipif(llama_unavailable() is not None, reason="llama-cpp-python is not installed here")
+def test_bench_spec_on_the_llama_cpp_engine_faces_llama_cpps_own_generation(loaded):
+    config = BenchSpecConfig(
+        engine="llamacpp",
+        max_tokens=8,
+        categories=["rag"],
+        prompts_per_category=1,
+        drafters=["ngram"],
+        fixed_k=2,
+        k_max=3,
+        calibrate=False,
+    )
+    report = run_bench_spec(config)
+    [category] = report.categories
+    runs = {run.name: run for run in category.runs}
+    assert list(runs) == ["plain", "llama.cpp generate", "plain, float32", "ngram k=2", "ngram k=auto"]
+    assert runs["ngram k=2"].identical and runs["ngram k=auto"].identical  # exact to the engine's plain loop
+    assert set(category.versus_transformers) == {"plain / llama.cpp generate", "ngram k=auto / llama.cpp generate"}
+    ratio = category.versus_transformers["plain / llama.cpp generate"]
+    assert ratio == pytest.approx(runs["plain"].tokens_per_s / runs["llama.cpp generate"].tokens_per_s)
+    assert "Q4_1" in report.model["gguf_types"] and set(report.step_costs_ms) >= {"1", "2", "3", "4"}
+    text = render_report(report)
+    one = report.step_costs_ms["1"]
+    assert f"k=1: {report.step_costs_ms['2'] / one:.2f}" in text and "llama.cpp engine, " in text
+    assert f"  ours over llama.cpp: plain / llama.cpp generate = {ratio:.2f}×" in text
 
 
 def test_bench_spec_cli_writes_json(tmp_path, capsys, loaded):
