@@ -56,7 +56,6 @@ INSTALL_HINT = (
 )
 FLASH_ATTENTION_ON = 1  # llama.cpp's LLAMA_FLASH_ATTN_TYPE_ENABLED
 KV_TYPE_Q8_0 = 8  # ggml's GGML_TYPE_Q8_0
-KV_CACHE_TYPE = "q8_0"  # the same, as llama.cpp's tools and `llama_cpp.Llama(type_k=...)` name it
 PROBE_CONTEXT = 64  # tokens per row in the step-cost probe, as the torch engine's probe
 _LOAD = threading.Lock()
 

@@ -32,6 +32,3 @@ class TorchPagedEngine(PagedCache):
 
     def refusal(self, drafter: Drafter) -> str | None:
         return None
-
-    def close(self) -> None:
-        """Nothing outside Python to free."""
