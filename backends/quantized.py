@@ -35,7 +35,7 @@ import dataclasses
 import hashlib
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -273,14 +273,23 @@ class Quality:
 @dataclass(frozen=True)
 class Reference:
     """The full-precision target's side of a quality measurement (`reference_side`): read once,
-    compared with any number of quantized models (the W8A8 methods, a profile's several methods)."""
+    compared with any number of quantized models (the W8A8 methods, a profile's several methods,
+    the llama.cpp engine's weight types)."""
 
     requests: tuple[GenerationRequest, ...]
     prompts: tuple[tuple[int, ...], ...]  # each request's prompt tokens
     answers: tuple[tuple[int, ...], ...]  # the reference's greedy answers
     argmax: tuple[torch.Tensor, ...]  # its teacher-forced next-token argmax over prompt + answer
-    texts: tuple[str, ...]
+    texts: tuple[tuple[int, ...], ...]  # the perplexity texts' tokens
     perplexity: float
+
+
+# The logits after every position of a token sequence, (len, V): what a model under test is asked.
+Scorer = Callable[[Sequence[int]], torch.Tensor]
+
+
+def torch_scorer(loaded: LoadedModel) -> Scorer:
+    return lambda ids: loaded.model(input_ids=torch.tensor([list(ids)], device=loaded.model.device)).logits[0]
 
 
 @torch.inference_mode()
@@ -290,17 +299,15 @@ def reference_side(reference: LoadedModel, requests: Sequence[GenerationRequest]
     engine = PlainEngine(reference)
     prompts = [engine.encode(r) for r in requests]
     answers = [a.token_ids for a in engine.generate(requests)]
-    argmax = [
-        reference.model(input_ids=torch.tensor([p + a])).logits[0, :-1].argmax(-1)
-        for p, a in zip(prompts, answers, strict=True)
-    ]
+    score = torch_scorer(reference)
+    text_ids = [tuple(reference.tokenizer(text).input_ids) for text in texts]
     return Reference(
         requests=tuple(requests),
         prompts=tuple(map(tuple, prompts)),
         answers=tuple(map(tuple, answers)),
-        argmax=tuple(argmax),
-        texts=tuple(texts),
-        perplexity=perplexity(reference, texts),
+        argmax=tuple(score(p + a)[:-1].argmax(-1) for p, a in zip(prompts, answers, strict=True)),
+        texts=tuple(text_ids),
+        perplexity=perplexity(score, text_ids),
     )
 
 
@@ -309,17 +316,24 @@ def measure_quality(ref: Reference, quantized: LoadedModel) -> Quality:
     """The quantized model answers the reference's requests (its free-running tokens compared with
     the reference's) and reads the reference's prompt + answer (teacher-forced argmax compared)."""
     answers = [tuple(a.token_ids) for a in PlainEngine(quantized).generate(list(ref.requests))]
+    return compare_quality(ref, answers, torch_scorer(quantized))
+
+
+@torch.inference_mode()
+def compare_quality(ref: Reference, answers: Sequence[Sequence[int]], score: Scorer) -> Quality:
+    """A model's greedy `answers` to the reference's requests and its `score`s of the reference's
+    prompt + answer and texts, against the reference's."""
     agree = positions = 0
     for prompt, answer, expected in zip(ref.prompts, ref.answers, ref.argmax, strict=True):
-        got = quantized.model(input_ids=torch.tensor([prompt + answer])).logits[0, :-1].argmax(-1)
+        got = score(prompt + answer)[:-1].argmax(-1).to(expected.device)
         agree += int((got == expected).sum())
         positions += got.numel()
-    same = sum(a == b for a, b in zip(ref.answers, answers, strict=True))
+    same = sum(tuple(a) == tuple(b) for a, b in zip(ref.answers, answers, strict=True))
     return Quality(
         agreement=agree / max(positions, 1),
         positions=positions,
         perplexity=ref.perplexity,
-        perplexity_quantized=perplexity(quantized, ref.texts),
+        perplexity_quantized=perplexity(score, ref.texts),
         greedy_match=same / max(len(ref.requests), 1),
         greedy_tokens=max((r.max_tokens for r in ref.requests), default=0),
         prompts=len(ref.requests),
@@ -327,16 +341,16 @@ def measure_quality(ref: Reference, quantized: LoadedModel) -> Quality:
 
 
 @torch.inference_mode()
-def perplexity(loaded: LoadedModel, texts: Sequence[str]) -> float:
+def perplexity(score: Scorer, texts: Sequence[Sequence[int]]) -> float:
     """exp of the mean next-token negative log-likelihood over every text's tokens."""
     nll, count = 0.0, 0
-    for text in texts:
-        ids = loaded.tokenizer(text, return_tensors="pt").input_ids
-        if ids.shape[1] < 2:
+    for ids in texts:
+        if len(ids) < 2:
             continue
-        logits = loaded.model(input_ids=ids).logits[0, :-1].float()
-        nll += float(torch.nn.functional.cross_entropy(logits, ids[0, 1:], reduction="sum"))
-        count += ids.shape[1] - 1
+        logits = score(ids)[:-1].float()
+        target = torch.tensor(list(ids[1:]), device=logits.device)
+        nll += float(torch.nn.functional.cross_entropy(logits, target, reduction="sum"))
+        count += len(ids) - 1
     if count == 0:
         raise ValueError("the perplexity text set has no text of two or more tokens")
     return math.exp(nll / count)

@@ -48,10 +48,10 @@ from typing import Literal
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from policies.cost_model import RowOutlook, plan_step
-from policies.engines import ENGINES, EngineName
+from policies.engines import ENGINES, GGUF_WEIGHTS, EngineName, GgufWeights
 from policies.profile import AcceptanceMap, ContextCurve, CostCurve, Profile
 from policies.quantization import REDUCED_PRECISION
 
@@ -108,6 +108,12 @@ class LoopSettings(BaseModel):
         description=f"what runs the target's passes ({', '.join(ENGINES)}): torch is the exact float reference; "
         "llamacpp serves a .gguf model with llama.cpp's own kernels and weight types",
     )
+    gguf_weights: GgufWeights = Field(
+        "file",
+        description=f"the weights the llamacpp engine serves ({', '.join(GGUF_WEIGHTS)}): the .gguf file's own types, "
+        "or the file requantized by llama.cpp to one type (kept under SPECROUTE_HOME); each is its own numerical "
+        "model, its quality against the float target measured by `bench plain`",
+    )
     max_batch: int = Field(32, ge=1, le=512, description="most sequences running at once")
     max_step_tokens: int = Field(
         512, ge=MIN_PREFILL_TOKENS, le=65536, description="tokens one step feeds: running rows, then prompt chunks"
@@ -135,6 +141,15 @@ class LoopSettings(BaseModel):
         description="positions of a width-invariant pass: every loop over one target must use the same, and a "
         "speculative loop verifies at most tile_width - 1 drafted tokens",
     )
+
+    @model_validator(mode="after")
+    def _weights_are_llamacpps(self) -> LoopSettings:
+        if self.gguf_weights != "file" and self.engine != "llamacpp":
+            raise ValueError(
+                f"gguf_weights {self.gguf_weights} requantizes the .gguf file the llamacpp engine serves; the "
+                f"{self.engine} engine loads its own weights: set engine llamacpp, or leave gguf_weights at file"
+            )
+        return self
 
     @property
     def cache_tokens(self) -> int:
@@ -927,7 +942,9 @@ def step_costs(
             from .engines import gguf_file
             from .engines.llamacpp import measure_llamacpp_step_times
 
-            return measure_llamacpp_step_times(gguf_file(loaded), batch, widths, torch.get_num_threads())
+            return measure_llamacpp_step_times(
+                gguf_file(loaded, loop.gguf_weights), batch, widths, torch.get_num_threads()
+            )
         return measure_step_times(loaded.model, batch, widths, tile=tile, tile_rows=loop.tile_max_rows)
 
     if context is None:

@@ -46,7 +46,7 @@ class BenchInvarianceConfig(LoopBenchTarget):
     def modes(self) -> dict[str, LoopSettings]:
         """The width-invariance modes this engine has, each as its loops' settings."""
         if self.engine != "torch":  # tiles are the torch engine's: other engines run natural widths
-            return {"off": MODES["off"].model_copy(update={"engine": self.engine})}
+            return {"off": MODES["off"].model_copy(update={"engine": self.engine, "gguf_weights": self.gguf_weights})}
         return MODES
 
 

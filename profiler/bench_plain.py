@@ -20,16 +20,25 @@ from tqdm import tqdm
 from transformers import GenerationConfig
 
 from backends.engines import gguf_file
-from backends.engines.llamacpp import gguf_weight_types, llama_unavailable
+from backends.engines.llamacpp import (
+    gguf_weight_types,
+    llama_unavailable,
+    measure_llamacpp_step_times,
+    pass_variance,
+)
 from backends.generation import ChatMessage, GenerationRequest
 from backends.kernels import apply_linear_kernels
 from backends.models import LoadedModel
 from backends.packing import packing_available
 from backends.plain import PlainEngine
+from backends.quantized import Reference
 from backends.scheduler import LoopSettings, Scheduler
+from policies.config import QuantizationConfig
+from policies.engines import GgufWeights
 
 from .hardware import MachineInfo, machine_info, measure_copy_bandwidth, measure_matvec_bandwidth
 from .peers import LlamaCppPeer
+from .profiling import measure_gguf_quality, quality_reference
 from .settings import BenchTarget, load_target
 
 BENCH_PROMPTS = (
@@ -44,6 +53,16 @@ class BenchPlainConfig(BenchTarget):
     max_tokens: int = Field(48, ge=2, le=4096)
     batch_sizes: list[Annotated[int, Field(ge=1)]] = Field(default_factory=lambda: [1, 4, 16, 64], min_length=1)
     rounds: int = Field(3, ge=1)
+    gguf_weights: list[GgufWeights] = Field(
+        default_factory=lambda: ["file", "Q4_0", "Q8_0", "F16"],
+        min_length=1,
+        description="the weight types the llama.cpp section runs (file: the GGUF file as shipped)",
+    )
+    quality_prompts: int = Field(2, ge=1, description="held-out quality prompts per category, per weight type")
+    quality_tokens: int = Field(32, ge=1, le=512, description="greedy tokens per quality prompt")
+    min_agreement: float = Field(
+        QuantizationConfig().min_agreement, ge=0, le=1, description="the quality floor the weights are held to"
+    )
 
 
 class GenerateComparison(BaseModel):
@@ -83,18 +102,47 @@ class BandwidthUse(BaseModel):
         return self.weight_bytes / (step_ms / 1e3) / self.copy_bytes_per_s
 
 
+class WeightsQuality(BaseModel):
+    """The llama.cpp engine serving one weight type against the float torch target, on held-out prompts."""
+
+    agreement: float = Field(description="teacher-forced share of positions whose argmax equals the float target's")
+    perplexity_delta: float = Field(description="relative perplexity change on the prompts' texts (+0.02: 2 % higher)")
+    greedy_match: float = Field(description="share of prompts whose greedy answer equals the float target's")
+    prompts: int
+    greedy_tokens: int
+    meets_floor: bool = Field(description="agreement ≥ the policy's quality floor (quantization.min_agreement)")
+
+
+class LlamaWeights(BaseModel):
+    """One weight type on the llama.cpp engine: speed beside llama.cpp's own generation of the file,
+    pass costs, batch scaling, and quality against the float target."""
+
+    weights: GgufWeights
+    weight_types: str = Field(description="llama.cpp's description of the weights (architecture, size, type)")
+    file_mb: float
+    engine_tokens_per_s: float = Field(description="specroute's step loop on these weights, batch 1")
+    peer_tokens_per_s: float = Field(description="llama.cpp's own generation of the file as shipped, interleaved")
+    ratio: float = Field(description="engine tokens/s over the peer's")
+    identical_prompts: int = Field(description="requests whose greedy tokens equal the peer's")
+    pass_cost: dict[int, float] = Field(description="v(1, k): a batch-1 pass verifying k drafts over a 1-token pass")
+    batches: list[BatchPoint] = Field(description="the engine's loop on these weights by batch size")
+    variance: str | None = Field(
+        description="where the start-up probe found a row's logits depend on a pass's width or batch (None: nowhere; "
+        "then speculation on these weights is exact to them, else refused)"
+    )
+    quality: WeightsQuality
+
+
 class LlamaCppPlain(BaseModel):
-    """The step loop on the llama.cpp engine against llama.cpp's own generation of the same file."""
+    """The step loop on the llama.cpp engine, per weight type, against llama.cpp's own generation of the file."""
 
     unavailable: str | None = Field(None, description="why this section was not measured (then nothing else is set)")
-    weight_types: str | None = Field(None, description="llama.cpp's description of the file (architecture, types)")
     requests: int = 0
-    engine_tokens_per_s: float = Field(0.0, description="specroute's step loop on the llama.cpp engine, batch 1")
-    peer_tokens_per_s: float = Field(0.0, description="llama.cpp's own generation (Llama.generate), batch 1")
-    torch_tokens_per_s: float = Field(0.0, description="specroute's step loop on the torch engine, batch 1")
-    ratio: float = Field(0.0, description="engine tokens/s over the peer's")
-    identical_prompts: int = Field(0, description="prompts whose greedy tokens equal the peer's")
-    batches: list[BatchPoint] = Field(default_factory=list, description="the llama.cpp engine's loop by batch size")
+    torch_tokens_per_s: float = Field(
+        0.0, description="specroute's step loop on the torch engine, batch 1 (interleaved with the first weights)"
+    )
+    torch_peer_tokens_per_s: float = Field(0.0, description="the peer in the same rounds as the torch loop")
+    weights: list[LlamaWeights] = Field(default_factory=list)
 
 
 class BenchPlainReport(BaseModel):
@@ -113,7 +161,8 @@ def run_bench_plain(config: BenchPlainConfig) -> BenchPlainReport:
         GenerationRequest(messages=[ChatMessage(role="user", content=p)], max_tokens=config.max_tokens, ignore_eos=True)
         for p in BENCH_PROMPTS
     ]
-    total = 3 * config.rounds * len(requests) + 2 * len(config.batch_sizes) + 1
+    llama_runs = len(config.gguf_weights) * (config.rounds * len(requests) + len(config.batch_sizes))
+    total = 2 * config.rounds * len(requests) + len(config.batch_sizes) + 1 + llama_runs
     with tqdm(total=total, desc="bench plain", unit="run", leave=False) as bar:
         _warm_up(engine, loaded, requests[0])
         copy_bandwidth = measure_copy_bandwidth(device=config.device)
@@ -150,43 +199,98 @@ def run_bench_plain(config: BenchPlainConfig) -> BenchPlainReport:
 def _llamacpp_section(
     loaded: LoadedModel, requests: list[GenerationRequest], config: BenchPlainConfig, bar: tqdm
 ) -> LlamaCppPlain:
-    """Batch-1 tokens/s of the llama.cpp engine's loop, llama.cpp's own generation and the torch
-    loop on the same requests (who goes first rotates), then the engine's loop by batch size."""
+    """Per weight type: batch-1 tokens/s of the llama.cpp engine's loop against llama.cpp's own
+    generation of the shipped file (the torch loop beside them in the first type's rounds; who goes
+    first rotates), v(1, k), the loop by batch size and the quality against the float target."""
     reason = llama_unavailable() or (None if loaded.gguf else f"{loaded.info.name} was not loaded from a GGUF file")
     if reason is not None or config.quantize is not None:
         return LlamaCppPlain(unavailable=reason or "the torch target is quantized here (--quantize)")
-    widest = max(config.batch_sizes)
-    settings = LoopSettings(engine="llamacpp", max_batch=widest, kv_cache_tokens=widest * 1024)
-    engine, reference = Scheduler(loaded, settings), Scheduler(loaded)
-    peer = LlamaCppPeer(gguf_file(loaded), torch.get_num_threads())
-    runs: dict[str, Callable[[GenerationRequest], list[int]]] = {
-        "engine": lambda r: engine.generate([r])[0].token_ids,
-        "peer": lambda r: peer.generate(engine.plain.encode(r), r.max_tokens),  # ignore_eos: no EOS ids
-        "torch": lambda r: reference.generate([r])[0].token_ids,
-    }
+    threads = torch.get_num_threads()
+    peer, reference = LlamaCppPeer(gguf_file(loaded), threads), Scheduler(loaded)
+    truth = quality_reference(loaded, config.quality_prompts, config.quality_tokens)
+    torch_rates: dict[str, float] = {}
+    measured = []
+    for index, weights in enumerate(config.gguf_weights):
+        widest = max(config.batch_sizes)
+        engine = Scheduler(
+            loaded,
+            LoopSettings(engine="llamacpp", gguf_weights=weights, max_batch=widest, kv_cache_tokens=widest * 1024),
+        )
+        runs: dict[str, Callable[[GenerationRequest], list[int]]] = {
+            "engine": lambda r, engine=engine: engine.generate([r])[0].token_ids,
+            "peer": lambda r, engine=engine: peer.generate(engine.plain.encode(r), r.max_tokens),  # ignore_eos
+        }
+        if index == 0:
+            runs["torch"] = lambda r: reference.generate([r])[0].token_ids
+        rates, same = _interleaved(runs, requests, config.rounds, bar)
+        torch_rates = torch_rates or {"torch": rates["torch"], "peer": rates["peer"]}
+        measured.append(_weights_point(loaded, weights, engine, rates, same, truth, requests, config, bar))
+    return LlamaCppPlain(
+        requests=config.rounds * len(requests),
+        torch_tokens_per_s=torch_rates["torch"],
+        torch_peer_tokens_per_s=torch_rates["peer"],
+        weights=measured,
+    )
+
+
+def _weights_point(
+    loaded: LoadedModel,
+    weights: GgufWeights,
+    engine: Scheduler,
+    rates: dict[str, float],
+    same: int,
+    truth: Reference,
+    requests: list[GenerationRequest],
+    config: BenchPlainConfig,
+    bar: tqdm,
+) -> LlamaWeights:
+    """The rest of one weight type's entry: its pass costs, batch scaling and quality."""
+    path = gguf_file(loaded, weights)
+    quality = measure_gguf_quality(truth, loaded, weights)
+    costs = measure_llamacpp_step_times(path, 1, [1, 2, 3, 5, 9], torch.get_num_threads())
+    return LlamaWeights(
+        weights=weights,
+        weight_types=gguf_weight_types(path),
+        file_mb=path.stat().st_size / 1e6,
+        engine_tokens_per_s=rates["engine"],
+        peer_tokens_per_s=rates["peer"],
+        ratio=rates["engine"] / rates["peer"],
+        identical_prompts=same,
+        pass_cost={width - 1: seconds / costs[1] for width, seconds in costs.items() if width > 1},
+        batches=[_batch_point(engine, requests, size, bar) for size in config.batch_sizes],
+        variance=pass_variance(str(path), torch.get_num_threads()),
+        quality=WeightsQuality(
+            agreement=quality.agreement,
+            perplexity_delta=quality.perplexity_delta,
+            greedy_match=quality.greedy_match,
+            prompts=quality.prompts,
+            greedy_tokens=quality.greedy_tokens,
+            meets_floor=quality.agreement >= config.min_agreement,
+        ),
+    )
+
+
+def _interleaved(
+    runs: dict[str, Callable[[GenerationRequest], list[int]]],
+    requests: list[GenerationRequest],
+    rounds: int,
+    bar: tqdm,
+) -> tuple[dict[str, float], int]:
+    """Tokens/s of each run over `rounds` × `requests` (every request runs to max_tokens), who goes
+    first rotating, after an untimed short call each; and how often the engine's tokens equal the peer's."""
     for run in runs.values():  # untimed: first passes set up buffers and kernels
         run(requests[0].model_copy(update={"max_tokens": 4}))
-    seconds, same = dict.fromkeys(runs, 0.0), 0
-    for index in range(config.rounds * len(requests)):
-        request, names = requests[index % len(requests)], list(runs)
+    seconds, same, names = dict.fromkeys(runs, 0.0), 0, list(runs)
+    for index in range(rounds * len(requests)):
+        request, turn = requests[index % len(requests)], index % len(names)
         tokens = {}
-        for name in names[index % 3 :] + names[: index % 3]:
+        for name in names[turn:] + names[:turn]:
             tokens[name], elapsed = _timed(functools.partial(runs[name], request))
             seconds[name] += elapsed
         same += tokens["engine"] == tokens["peer"]
         bar.update()
-    count = config.rounds * sum(r.max_tokens for r in requests)
-    rates = {name: count / s for name, s in seconds.items()}
-    return LlamaCppPlain(
-        weight_types=gguf_weight_types(gguf_file(loaded)),
-        requests=config.rounds * len(requests),
-        engine_tokens_per_s=rates["engine"],
-        peer_tokens_per_s=rates["peer"],
-        torch_tokens_per_s=rates["torch"],
-        ratio=rates["engine"] / rates["peer"],
-        identical_prompts=same,
-        batches=[_batch_point(engine, requests, size, bar) for size in config.batch_sizes],
-    )
+    count = rounds * sum(r.max_tokens for r in requests)
+    return {name: count / s for name, s in seconds.items()}, same
 
 
 def _warm_up(engine: PlainEngine, loaded: LoadedModel, request: GenerationRequest) -> None:
@@ -338,21 +442,48 @@ def _llamacpp_lines(llama: LlamaCppPlain | None) -> list[str]:
         return []
     if llama.unavailable is not None:
         return ["", f"llama.cpp engine: not measured ({llama.unavailable})"]
-    base = llama.batches[0].tokens_per_s if llama.batches else 0.0
+    first = llama.weights[0]
     lines = [
         "",
-        f"llama.cpp ({llama.weight_types}), batch 1, {llama.requests} requests, interleaved:",
-        f"  specroute loop, llama.cpp engine {llama.engine_tokens_per_s:8.2f} tok/s",
-        f"  llama.cpp's own generation       {llama.peer_tokens_per_s:8.2f} tok/s",
-        f"  specroute loop, torch engine     {llama.torch_tokens_per_s:8.2f} tok/s",
-        f"  engine over llama.cpp's own      {llama.ratio:8.3f}×",
-        f"  greedy tokens equal to its own   {llama.identical_prompts} of {llama.requests} requests "
-        "(its defaults: F16 cache, no flash attention; the engine: Q8_0 cache, flash attention)",
+        f"llama.cpp engine, batch 1, {llama.requests} requests per weight type, each interleaved with llama.cpp's "
+        "own generation of the file as shipped:",
+        "  weights  llama.cpp says                   MB   tok/s  peer tok/s  × peer  = peer   "
+        "v(1,1) v(1,2) v(1,4) v(1,8)",
+    ]
+    for w in llama.weights:
+        costs = " ".join(f"{w.pass_cost.get(k, float('nan')):6.2f}" for k in (1, 2, 4, 8))
+        lines.append(
+            f"  {w.weights:7s}  {w.weight_types:28s} {w.file_mb:6.1f} {w.engine_tokens_per_s:7.1f} "
+            f"{w.peer_tokens_per_s:11.1f} {w.ratio:6.2f}× {w.identical_prompts:3d}/{llama.requests:<3d} {costs}"
+        )
+    lines += [
+        f"  {w.weights}: passes NOT invariant, speculation refused — {w.variance}"
+        for w in llama.weights
+        if w.variance is not None
+    ]
+    lines += [
+        f"  specroute loop, torch engine (float target), in the first rounds: {llama.torch_tokens_per_s:.1f} tok/s "
+        f"({llama.torch_tokens_per_s / llama.torch_peer_tokens_per_s:.2f}× the peer)",
+        "  = peer: requests whose greedy tokens equal the peer's (its defaults: F16 cache, no flash attention; the "
+        "engine: Q8_0 cache, flash attention)",
         "",
-        "batch scaling (step loop, llama.cpp engine):",
-        "  batch      tok/s   step ms   × batch-1 tok/s",
+        f"quality against the float target ({first.quality.prompts} held-out prompts, {first.quality.greedy_tokens} "
+        "greedy tokens each):",
+        "  weights  agreement  perplexity Δ  greedy identical  floor",
     ]
-    return lines + [
-        f"  {p.batch_size:5d} {p.tokens_per_s:10.1f} {p.step_ms:9.1f} {p.tokens_per_s / base:10.2f}×"
-        for p in llama.batches
+    lines += [
+        f"  {w.weights:7s} {w.quality.agreement:9.2%} {w.quality.perplexity_delta:+12.2%} "
+        f"{w.quality.greedy_match:16.0%}  {'meets' if w.quality.meets_floor else 'UNDER'}"
+        for w in llama.weights
     ]
+    base = first.batches[0].tokens_per_s if first.batches else 0.0
+    lines += [
+        "",
+        f"batch scaling (step loop, llama.cpp engine; × the {first.weights} weights' batch-1 tok/s):",
+        "  weights  " + "".join(f"{f'batch {p.batch_size}':>18s}" for p in first.batches),
+    ]
+    lines += [
+        f"  {w.weights:7s}  " + "".join(f"{p.tokens_per_s:9.1f} ({p.tokens_per_s / base:4.2f}×)" for p in w.batches)
+        for w in llama.weights
+    ]
+    return lines

@@ -77,7 +77,7 @@ class BenchSpecConfig(LoopBenchTarget):
 
     @property
     def loop(self) -> LoopSettings:
-        return LoopSettings(tile_width=self.tile_width, engine=self.engine)
+        return LoopSettings(tile_width=self.tile_width, engine=self.engine, gguf_weights=self.gguf_weights)
 
     @field_validator("fixed_k", mode="before")
     @classmethod

@@ -29,13 +29,17 @@ from pydantic import Field, field_validator, model_validator
 from tqdm import tqdm
 
 from backends.embedded import EMBEDDED_NAME, specroute_home
+from backends.engines import gguf_file
+from backends.engines.llamacpp import score_sequence
 from backends.generation import GenerationRequest, GenerationResult
 from backends.kv import PagedCache, kv_bytes_per_token
 from backends.models import LoadedModel, load_model
 from backends.plain import PlainEngine
 from backends.quantized import (
+    Quality,
     Reference,
     calibration_cache,
+    compare_quality,
     max_weight_error,
     measure_quality,
     needs_calibration,
@@ -43,13 +47,14 @@ from backends.quantized import (
     reference_side,
     resolve_method,
 )
-from backends.scheduler import LoopSettings, seeded_step_costs
+from backends.scheduler import LoopSettings, Scheduler, seeded_step_costs
 from backends.speculative.drafters import Drafter, ModelDrafter
 from backends.speculative.engine import K_LIMIT, SpeculativeEngine, measure_step_times
 from backends.speculative.factory import build_drafter
 from backends.speculative.stats import SpeculationStats
 from backends.training.prompts import TrainingPrompt, training_prompts
 from policies.drafters import SERVED_KINDS, DrafterConfig, DrafterKind, spec
+from policies.engines import GgufWeights
 from policies.profile import (
     AcceptanceProfile,
     AcceptanceSample,
@@ -234,7 +239,8 @@ def run_profile(
         drafters.append(drafter_profile(loaded, drafter, kind, config, in_run, progress))
     methods = list(dict.fromkeys(resolve_method(loaded, choice) for choice in config.quantization))
     qualities = [_shipped_quality(seed, config, method) for method in methods]
-    reference = functools.cache(lambda: quality_reference(loaded, config))  # read once for every method
+    # read once for every method
+    reference = functools.cache(lambda: quality_reference(loaded, config.quality_prompts, config.quality_tokens))
     quantized = [
         measure_quantized(loaded, config, method, progress, quality, reference)
         for method, quality in zip(methods, qualities, strict=True)
@@ -509,12 +515,22 @@ def measure_quantized(
     )
 
 
-def quality_reference(loaded: LoadedModel, config: ProfileConfig) -> Reference:
-    """The float target's answers, teacher-forced argmax and perplexity on the held-out half."""
-    _, evaluation = quantization_split(config.quality_prompts)
-    requests = [_request(p, config.quality_tokens) for p in evaluation]
+def quality_reference(loaded: LoadedModel, prompts: int | None, tokens: int) -> Reference:
+    """The float target's answers (`tokens` each), teacher-forced argmax and perplexity on the
+    held-out half of the quality prompts (`prompts` per category; None: all)."""
+    _, evaluation = quantization_split(prompts)
+    requests = [_request(p, tokens) for p in evaluation]
     with all_cores():
         return reference_side(loaded, requests, [m.content for p in evaluation for m in p.messages])
+
+
+def measure_gguf_quality(ref: Reference, loaded: LoadedModel, weights: GgufWeights) -> Quality:
+    """The llama.cpp engine serving `weights` against the float target's `ref`: its step loop's
+    greedy answers, and its teacher-forced logits and perplexity (llama.cpp passes of its own)."""
+    path = gguf_file(loaded, weights)
+    loop = Scheduler(loaded, LoopSettings(engine="llamacpp", gguf_weights=weights, max_batch=4))
+    answers = [r.token_ids for r in loop.generate(list(ref.requests))]
+    return compare_quality(ref, answers, lambda ids: score_sequence(path, ids, torch.get_num_threads()))
 
 
 def _request(prompt: WorkloadPrompt, max_tokens: int) -> GenerationRequest:

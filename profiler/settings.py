@@ -8,7 +8,7 @@ from pydantic import BaseModel, Field, model_validator
 from backends.errors import ModelLoadError
 from backends.models import LoadedModel, load_model
 from backends.quantized import needs_calibration, quantize, resolve_method
-from policies.engines import ENGINES, EngineName
+from policies.engines import ENGINES, EngineName, GgufWeights
 from policies.quantization import UNCALIBRATED, QuantChoice
 
 
@@ -34,12 +34,21 @@ class LoopBenchTarget(BenchTarget):
         "torch", description=f"what runs the target's passes in the step loop ({', '.join(ENGINES)})"
     )
 
+    gguf_weights: GgufWeights = Field(
+        "file", description="the weights the llamacpp engine serves: the file's own, or the file requantized"
+    )
+
     @model_validator(mode="after")
     def _quantize_is_torchs(self) -> LoopBenchTarget:
         if self.engine != "torch" and self.quantize is not None:
             raise ValueError(
                 f"--quantize quantizes the torch engine's weights; the {self.engine} engine runs the GGUF file's own "
-                "weight types: drop --quantize, or use --engine torch"
+                "weight types (--gguf-weights requantizes the file): drop --quantize, or use --engine torch"
+            )
+        if self.engine != "llamacpp" and self.gguf_weights != "file":
+            raise ValueError(
+                f"--gguf-weights {self.gguf_weights} requantizes the file the llamacpp engine serves: add "
+                "--engine llamacpp, or use --quantize for the torch engine's weights"
             )
         return self
 

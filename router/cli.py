@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import ValidationError
 
 from policies.drafters import BENCHED_KINDS, KINDS, SERVED_KINDS, TRAINED_KINDS, DrafterConfig, option_kinds
-from policies.engines import ENGINE_SUMMARIES, ENGINES
+from policies.engines import ENGINE_SUMMARIES, ENGINES, GGUF_WEIGHTS
 from policies.errors import UserError
 from policies.quantization import QUANT_CHOICES, UNCALIBRATED
 
@@ -302,6 +302,13 @@ def _add_engine_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--engine", default="torch", choices=ENGINES, help=f"what runs the target's passes ({summaries})"
     )
+    parser.add_argument(
+        "--gguf-weights",
+        default="file",
+        choices=GGUF_WEIGHTS,
+        help="with --engine llamacpp: the .gguf file's own weights, or the file requantized by llama.cpp to one type "
+        "(made once under SPECROUTE_HOME; each type's quality against the float target: bench plain)",
+    )
 
 
 def _add_generate_args(parser: argparse.ArgumentParser) -> None:
@@ -332,6 +339,14 @@ def _add_bench_plain_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=48, help="tokens generated per request")
     parser.add_argument("--batches", default="1,4,16,64", help="comma-separated batch sizes")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of ours vs generate")
+    parser.add_argument(
+        "--gguf-weights",
+        default="file,Q4_0,Q8_0,F16",
+        help=f"comma-separated weight types the llama.cpp section runs ({', '.join(GGUF_WEIGHTS)}; file: as shipped)",
+    )
+    parser.add_argument(
+        "--quality-prompts", type=int, default=2, help="held-out prompts per category each weight type's quality reads"
+    )
     parser.add_argument("--json", action="store_true", help="print the results as one JSON object")
     _add_model_args(parser)
     _add_quantize_flag(parser)
@@ -572,6 +587,7 @@ def run_generate(args: argparse.Namespace) -> int:
     result = engine.generate([request])[0]
     label = "plain" if args.speculative is None else f"speculative {args.speculative}"
     label += f" on {args.engine}" if args.engine != "torch" else ""
+    label += f" ({args.gguf_weights} weights)" if args.gguf_weights != "file" else ""
     if args.json:
         payload = {**result.model_dump(), "tokens_per_s": result.tokens_per_s, "engine": label}
         print(json.dumps(payload))
@@ -588,7 +604,7 @@ def _engine(args: argparse.Namespace, loaded: object) -> object:
     the speculative engine's), or the speculative engine with the drafter the flags describe."""
     from backends.scheduler import LoopSettings, Scheduler
 
-    settings = LoopSettings(engine=args.engine)
+    settings = LoopSettings(engine=args.engine, gguf_weights=args.gguf_weights)
     if args.speculative is None:
         if args.k is not None:
             raise UsageError(f"--k needs --speculative: pick a drafter ({', '.join(KINDS)})")
@@ -621,6 +637,8 @@ def run_bench_plain(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens,
         batch_sizes=_int_list(args.batches, "--batches"),
         rounds=args.rounds,
+        gguf_weights=_str_list(args.gguf_weights),
+        quality_prompts=args.quality_prompts,
     )
     _quiet_model_loading()
     report = run_bench_plain(config)
@@ -641,6 +659,7 @@ def run_bench_invariance(args: argparse.Namespace) -> int:
         k=parse_k(args.k),
         categories=_str_list(args.categories) if args.categories else None,
         engine=args.engine,
+        gguf_weights=args.gguf_weights,
     )
     _quiet_model_loading()
     report = run_bench_invariance(config)
@@ -664,6 +683,7 @@ def run_bench_spec(args: argparse.Namespace) -> int:
         drafter=_drafter_options(args),
         transformers=not args.no_transformers,
         engine=args.engine,
+        gguf_weights=args.gguf_weights,
         **({"tile_width": args.tile_width} if args.tile_width is not None else {}),
     )
     _quiet_model_loading()

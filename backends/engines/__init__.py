@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from policies.engines import ENGINES, EngineName
+from policies.engines import ENGINES, EngineName, GgufWeights
 
 from ..errors import ModelLoadError
 
@@ -92,7 +92,11 @@ def build_engine(
 
         threads = torch.get_num_threads()  # the replica's thread cap applies to both engines
         return LlamaCppEngine(
-            gguf_file(loaded), settings.cache_tokens, settings.max_batch, threads, settings.max_step_tokens
+            gguf_file(loaded, settings.gguf_weights),
+            settings.cache_tokens,
+            settings.max_batch,
+            threads,
+            settings.max_step_tokens,
         )
     from .torch_paged import TorchPagedEngine
 
@@ -101,11 +105,16 @@ def build_engine(
     )
 
 
-def gguf_file(loaded: LoadedModel) -> Path:
-    """The `.gguf` file a llama.cpp engine serves for this target."""
+def gguf_file(loaded: LoadedModel, weights: GgufWeights = "file") -> Path:
+    """The `.gguf` file a llama.cpp engine serves for this target: the file it was loaded from, or
+    that file requantized to `weights` (made once, then reused)."""
     if loaded.gguf is None:
         raise ModelLoadError(
             f"the llama.cpp engine serves GGUF files; {loaded.info.name} was loaded from another format: "
             "pass a .gguf model (or the embedded one), or use engine torch"
         )
-    return loaded.gguf
+    if weights == "file":
+        return loaded.gguf
+    from .llamacpp import requantized
+
+    return requantized(loaded.gguf, weights)

@@ -19,6 +19,14 @@ verified block, the last token of a prompt chunk); rejected drafts are cut with
 model from the float torch target: its output is exact *to itself* — speculation on this engine
 returns the tokens its plain decoding returns (checked by the tests and `bench invariance`).
 
+The weights are the file's own, or the file requantized by llama.cpp to one type (`requantized`,
+`LoopSettings.gguf_weights`). Whether a type's kernels give a row the same logits whatever the
+pass's width and batch depends on the type and the CPU — types with repacked matrix-matrix kernels
+switch paths by a pass's token count — so it is measured where the engine runs (`pass_variance`,
+a probe of about a second, once per process); speculation is refused on weights where the probe
+found a difference, with what it found (on an AVX2 EPYC: the file's Q4_1, Q4_0, Q5_0 and Q8_0 are
+invariant; IQ4_NL, F16 and BF16 are not).
+
 Memory is split evenly: each of `max_sequences` rows may hold `max_tokens / max_sequences` tokens
 (llama-server's slots); a request whose prompt + max_tokens exceeds its row's share is refused at
 once (`sequence_tokens`), and every admitted row fits.
@@ -31,8 +39,10 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import hashlib
 import logging
 import math
+import os
 import threading
 import time
 from collections.abc import Sequence
@@ -42,10 +52,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from ..embedded import specroute_home
 from ..errors import ModelLoadError
 from ..kv import BLOCK_TOKENS, BlockStructure, CacheFull
 
 if TYPE_CHECKING:
+    from policies.engines import GgufWeights
+
     from ..speculative.drafters import Drafter
     from . import EngineName
 
@@ -110,6 +123,33 @@ def _model(path: str) -> Any:
     return model
 
 
+def requantized(source: Path, weights: GgufWeights) -> Path:
+    """`source` requantized by llama.cpp to `weights` (`llama_model_quantize`, requantizing a quantized
+    file as `llama-quantize --allow-requantize` does; a tensor the type cannot hold, such as a row
+    length its blocks do not divide, keeps llama.cpp's fallback type). Made once per source file's
+    content and kept under SPECROUTE_HOME; replicas starting together never read half a file."""
+    llama_cpp = _llama()
+    digest = hashlib.sha256()
+    with open(source, "rb") as stream:
+        for chunk in iter(lambda: stream.read(1 << 24), b""):
+            digest.update(chunk)
+    target = specroute_home() / "cache" / "gguf" / f"{source.stem}.{weights}.{digest.hexdigest()[:16]}.gguf"
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staged = target.with_suffix(f".{os.getpid()}.tmp")
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{weights}")
+    params.allow_requantize = True
+    params.nthread = max(torch.get_num_threads(), 1)
+    status = llama_cpp.llama_model_quantize(str(source).encode(), str(staged).encode(), ctypes.byref(params))
+    if status != 0:
+        staged.unlink(missing_ok=True)
+        raise ModelLoadError(f"llama.cpp could not requantize {source.name} to {weights} (status {status})")
+    staged.replace(target)
+    return target
+
+
 def gguf_weight_types(path: Path) -> str:
     """llama.cpp's description of the model at `path`, e.g. 'llama ?B Q4_1' (architecture, size, weight type)."""
     llama_cpp = _llama()
@@ -155,6 +195,7 @@ class LlamaCppEngine:
         self._vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(self.model))
         self._batch = llama_cpp.llama_batch_init(self.batch_tokens, 0, 1)
         self.max_sequences = max_sequences
+        self.threads = max(threads, 1)
         self._free_ids = list(range(max_sequences - 1, -1, -1))
         self.lengths: dict[int, int] = {}
 
@@ -202,13 +243,21 @@ class LlamaCppEngine:
         return sum(self.lengths.values()) / (self.sequence_tokens * self.max_sequences)
 
     def refusal(self, drafter: Drafter) -> str | None:
-        if drafter.feature_layers:
-            return "it reads the target's hidden states, which llama.cpp does not expose per layer"
-        if drafter.widest_block:
-            return "it verifies tree-shaped blocks, and llama.cpp's batches are causal chains per sequence"
-        if drafter.reads_target_layers:
-            return "it runs the target's own layers in torch, a different numerical model from llama.cpp's"
+        needs = _needs_more_than_tokens(drafter)
+        if needs is not None:
+            return f"{needs}: serve it with engine torch, or pick a drafter that needs only tokens (ngram, model)"
+        variance = pass_variance(str(self.path), self.threads)
+        if variance is not None:
+            return (
+                f"speculation would not return these weights' plain tokens: {variance}; serve them plain, or pick "
+                "weights whose passes are invariant here (the probe runs at start-up: file, Q4_0, Q8_0 are on AVX2)"
+            )
         return None
+
+    @property
+    def invariant(self) -> bool:
+        """Whether a row's logits here do not depend on a pass's width or batch (see `pass_variance`)."""
+        return pass_variance(str(self.path), self.threads) is None
 
     # -- passes -----------------------------------------------------------------------------
     def logits(
@@ -291,6 +340,55 @@ class LlamaCppEngine:
             pass
 
 
+def _needs_more_than_tokens(drafter: Drafter) -> str | None:
+    if drafter.feature_layers:
+        return "it reads the target's hidden states, which llama.cpp does not expose per layer"
+    if drafter.widest_block:
+        return "it verifies tree-shaped blocks, and llama.cpp's batches are causal chains per sequence"
+    if drafter.reads_target_layers:
+        return "it runs the target's own layers in torch, a different numerical model from llama.cpp's"
+    return None
+
+
+PROBE_WIDTHS = (1, 2, 5, 9)  # a decode step, and verify passes of 1, 4 and 8 drafts
+PROBE_ROWS = 8  # the batch a row is also computed in
+
+
+@functools.cache
+def pass_variance(path: str, threads: int) -> str | None:
+    """Whether llama.cpp's kernels for the weights at `path` give a row's logits independent of how
+    they are computed on this machine, measured: random tokens after a 16-token context, fed in
+    blocks of each probe width, alone and among `PROBE_ROWS` rows, against the same tokens fed one
+    at a time alone (bit for bit). None: no difference; else where the first one was and how large.
+    Which kernels run depends on the weight type, the CPU and a pass's token count (types with
+    repacked matrix-matrix kernels switch paths by it), so it is measured where it runs, once per
+    process. Tokens and contexts other than the probe's could still differ; the tests and `bench
+    invariance` check real prompts."""
+    context, longest = 16, max(PROBE_WIDTHS)
+    generator = np.random.default_rng(7)
+    rows = [generator.integers(0, 32000, context + longest).tolist() for _ in range(PROBE_ROWS)]
+    size = context + longest + BLOCK_TOKENS
+    engine = LlamaCppEngine(Path(path), PROBE_ROWS * size, PROBE_ROWS, threads, batch_tokens=PROBE_ROWS * size)
+    try:
+        seqs = [engine.add() for _ in rows]
+        engine.logits(seqs, [r[:context] for r in rows])
+        reference = torch.cat([engine.logits([seqs[0]], [[t]])[0] for t in rows[0][context:]])
+        for width in PROBE_WIDTHS:
+            for batch in (1, PROBE_ROWS):
+                for seq in seqs:
+                    engine.truncate(seq, context)
+                got = engine.logits(seqs[:batch], [r[context : context + width] for r in rows[:batch]])[0, :width]
+                delta = float((got - reference[:width]).abs().max())
+                if delta > 0:
+                    return (
+                        f"a block of {width} token(s) in a batch of {batch} changed a logit by {delta:.3g} against "
+                        f"the same tokens fed one at a time (llama.cpp's kernels for {Path(path).name} on this CPU)"
+                    )
+        return None
+    finally:
+        engine.close()
+
+
 def measure_llamacpp_step_times(
     path: Path,
     batch: int,
@@ -319,5 +417,17 @@ def measure_llamacpp_step_times(
                 for seq in seqs:
                     engine.truncate(seq, context)
         return seconds
+    finally:
+        engine.close()
+
+
+def score_sequence(path: Path, tokens: Sequence[int], threads: int) -> torch.Tensor:
+    """The logits after every position of `tokens`, (len, V), read in one pass of a one-row context
+    of its own (teacher forcing, for the quality measured against the float target)."""
+    size = max(math.ceil(len(tokens) / BLOCK_TOKENS), 1) * BLOCK_TOKENS
+    engine = LlamaCppEngine(path, size, 1, threads, batch_tokens=size)
+    try:
+        seq = engine.add()
+        return engine.logits([seq], [list(tokens)])[0, : len(tokens)]
     finally:
         engine.close()

@@ -20,6 +20,7 @@ from backends.quantized import (
     quantize,
     reference_side,
     resolve_method,
+    torch_scorer,
 )
 from backends.weight_only import Int4WeightOnlyLinear, Int8WeightOnlyLinear
 from profiler.workloads import quantization_split
@@ -123,7 +124,8 @@ def test_a_model_agrees_with_itself_and_keeps_its_perplexity(loaded, split):
     same = measure_quality(reference_side(loaded, requests[:2], texts[:2]), loaded)
     assert same.agreement == 1.0 and same.greedy_match == 1.0 and same.perplexity_delta == pytest.approx(0.0)
     assert same.prompts == 2 and same.positions > 0
-    assert perplexity(loaded, texts[:2]) > 1
+    texts_ids = [loaded.tokenizer(t).input_ids for t in texts[:2]]
+    assert perplexity(torch_scorer(loaded), texts_ids) > 1
 
 
 def test_quantize_refuses_what_it_cannot_do(loaded, split):
@@ -139,4 +141,4 @@ def test_quantize_refuses_what_it_cannot_do(loaded, split):
     with pytest.raises(ModelLoadError, match="device cpu"):
         quantize(on_gpu, method="int8-weight-only")
     with pytest.raises(ValueError, match="two or more tokens"):
-        perplexity(loaded, ["a"])
+        perplexity(torch_scorer(loaded), [loaded.tokenizer("a").input_ids[:1]])

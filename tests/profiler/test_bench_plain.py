@@ -9,7 +9,16 @@ pytestmark = pytest.mark.slow
 
 
 def test_bench_plain_reports_a_side_by_side_ratio_and_bandwidth(loaded):
-    report = run_bench_plain(BenchPlainConfig(max_tokens=4, batch_sizes=[1, 3], rounds=1))
+    report = run_bench_plain(
+        BenchPlainConfig(
+            max_tokens=4,
+            batch_sizes=[1, 3],
+            rounds=1,
+            gguf_weights=["file", "Q8_0"],
+            quality_prompts=1,
+            quality_tokens=4,
+        )
+    )
     comparison = report.comparison
     assert comparison.identical_tokens
     assert comparison.ratio == pytest.approx(comparison.specroute_tokens_per_s / comparison.transformers_tokens_per_s)
@@ -54,12 +63,25 @@ def test_bench_plain_reports_a_side_by_side_ratio_and_bandwidth(loaded):
     if llama_unavailable() is not None:
         assert llama.unavailable == llama_unavailable() and "llama.cpp engine: not measured" in text
         return
-    assert llama.unavailable is None and "Q4_1" in llama.weight_types
-    assert llama.requests == 4 and 0 <= llama.identical_prompts <= 4
-    assert llama.ratio == pytest.approx(llama.engine_tokens_per_s / llama.peer_tokens_per_s)
-    assert min(llama.engine_tokens_per_s, llama.peer_tokens_per_s, llama.torch_tokens_per_s) > 0
-    assert [p.batch_size for p in llama.batches] == [1, 3] and all(p.tokens_per_s > 0 for p in llama.batches)
-    assert f"  engine over llama.cpp's own      {llama.ratio:8.3f}×" in lines
+    assert llama.unavailable is None and llama.requests == 4
+    assert llama.torch_tokens_per_s > 0 and llama.torch_peer_tokens_per_s > 0
+    file, q8 = llama.weights
+    assert (file.weights, q8.weights) == ("file", "Q8_0")
+    assert "Q4_1" in file.weight_types and "Q8_0" in q8.weight_types and q8.file_mb > file.file_mb
+    for w in llama.weights:
+        assert 0 <= w.identical_prompts <= 4 and min(w.engine_tokens_per_s, w.peer_tokens_per_s) > 0
+        assert w.ratio == pytest.approx(w.engine_tokens_per_s / w.peer_tokens_per_s)
+        assert sorted(w.pass_cost) == [1, 2, 4, 8] and all(v > 0 for v in w.pass_cost.values())
+        assert [p.batch_size for p in w.batches] == [1, 3] and all(p.tokens_per_s > 0 for p in w.batches)
+        assert (w.variance is None) == (f"  {w.weights}: passes NOT invariant" not in text)
+        quality = w.quality
+        assert 0 <= quality.agreement <= 1 and 0 <= quality.greedy_match <= 1 and quality.greedy_tokens == 4
+        assert quality.meets_floor == (quality.agreement >= BenchPlainConfig().min_agreement)
+        assert f"  {w.weights:7s} {quality.agreement:9.2%} {quality.perplexity_delta:+12.2%}" in text
+    # The file's own weights are the float target's, read with llama.cpp's 8-bit activations and
+    # Q8_0 cache: close to it, not equal.
+    assert file.quality.agreement > 0.8
+    assert abs(file.quality.perplexity_delta) < 0.05
 
 
 def test_bench_config_rejects_nonsense():

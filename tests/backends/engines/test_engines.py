@@ -5,6 +5,7 @@ import sys
 from dataclasses import replace
 
 import pytest
+from pydantic import ValidationError
 
 from backends.engines import build_engine, gguf_file
 from backends.engines import llamacpp as llamacpp_module
@@ -37,3 +38,11 @@ def test_without_llama_cpp_the_error_says_how_to_install_it(monkeypatch, tiny_ta
             build_engine(target, LoopSettings(engine="llamacpp", max_batch=2, kv_cache_tokens=256))
     finally:
         llamacpp_module.llama_unavailable.cache_clear()
+
+
+def test_requantized_weights_are_the_llama_cpp_engines_only() -> None:
+    assert LoopSettings(engine="llamacpp", gguf_weights="Q8_0").gguf_weights == "Q8_0"
+    with pytest.raises(ValidationError, match="gguf_weights Q4_0 requantizes the .gguf file .* set engine llamacpp"):
+        LoopSettings(gguf_weights="Q4_0")
+    with pytest.raises(ValidationError, match="gguf_weights"):
+        LoopSettings(engine="llamacpp", gguf_weights="Q3_K")

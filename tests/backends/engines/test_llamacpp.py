@@ -5,8 +5,9 @@ tokens do not depend on its batch-mates, and what it cannot serve is refused wit
 import numpy as np
 import pytest
 
+from backends.embedded import specroute_home
 from backends.engines import build_engine, gguf_file
-from backends.engines.llamacpp import KV_TYPE_Q8_0, llama_unavailable
+from backends.engines.llamacpp import KV_TYPE_Q8_0, gguf_weight_types, llama_unavailable, pass_variance, requantized
 from backends.errors import ModelLoadError, RequestError
 from backends.generation import GenerationRequest
 from backends.models import LoadedModel
@@ -119,3 +120,33 @@ def test_a_target_without_a_gguf_file_is_refused(loaded: LoadedModel) -> None:
 
     with pytest.raises(ModelLoadError, match="serves GGUF files"):
         gguf_file(replace(loaded, gguf=None))
+
+
+def test_requantized_weights_are_made_once(loaded: LoadedModel) -> None:
+    path = requantized(loaded.gguf, "Q8_0")
+    made = path.stat().st_mtime_ns
+    assert requantized(loaded.gguf, "Q8_0") == path and path.stat().st_mtime_ns == made
+    assert path.parent == specroute_home() / "cache" / "gguf" and "Q8_0" in gguf_weight_types(path)
+    assert gguf_file(loaded, "Q8_0") == path and gguf_file(loaded) == loaded.gguf
+
+
+@pytest.mark.parametrize("weights", ["Q8_0", "F16"])
+def test_speculation_on_requantized_weights_is_exact_to_them_or_refused(loaded: LoadedModel, weights) -> None:
+    """Whether llama.cpp's kernels for a weight type are width- and batch-invariant depends on the
+    type and the CPU (on an AVX2 EPYC: Q8_0 is, F16 is not), so the engine probes it at start-up:
+    speculation where invariant returns the weights' own plain tokens, alone and batched;
+    elsewhere it is refused with what the probe found."""
+    settings = SETTINGS.model_copy(update={"gguf_weights": weights})
+    plain = Scheduler(loaded, settings)
+    variance = pass_variance(str(gguf_file(loaded, weights)), plain.cache.threads)
+    if variance is not None:
+        with pytest.raises(
+            RequestError, match=f"speculation would not return these weights' plain tokens: .*{weights}"
+        ):
+            SpeculativeEngine(loaded, lookup(), k=4, settings=settings)
+        return
+    requests = PROMPTS[:4]
+    alone = [plain.generate([r])[0].token_ids for r in requests]
+    engine = SpeculativeEngine(loaded, lookup(), k=4, settings=settings)
+    assert [engine.generate([r])[0].token_ids for r in requests] == alone
+    assert [r.token_ids for r in engine.generate(requests)] == alone
