@@ -427,7 +427,44 @@ def _render_bench_plain(result: dict[str, Any]) -> Rendered:
         ),
         ("batch-1 decode step, share of memory copy bandwidth", f"{bw.fraction:.1%}"),
     ]
-    return Rendered(["\n".join(engines), "\n".join(batches)], headlines)
+    tables = ["\n".join(engines), "\n".join(batches)]
+    llama = report.llamacpp
+    if llama is not None and llama.weights:
+        tables.append("\n".join(_llamacpp_weights_table(llama)))
+        first = llama.weights[0]
+        headlines.append(
+            (f"llama.cpp engine ({first.weights} weights), batch 1, over llama.cpp's own generation", _x(first.ratio))
+        )
+    return Rendered(tables, headlines)
+
+
+def _llamacpp_weights_table(llama: Any) -> list[str]:
+    """Per weight type on the llama.cpp engine: speed beside the peer, v(1, 4), batch scaling,
+    invariance and quality against the float target."""
+    widest = llama.weights[0].batches[-1].batch_size
+    return _table(
+        [
+            "llama.cpp weights",
+            "Tokens/s (× llama.cpp's own)",
+            "v(1, 4)",
+            f"Batch {widest} × batch 1",
+            "Passes invariant",
+            "Agreement with float",
+            "Perplexity Δ",
+        ],
+        [
+            [
+                f"{w.weights} ({w.weight_types})",
+                f"{w.engine_tokens_per_s:.1f} ({_x(w.ratio)})",
+                f"{w.pass_cost.get(4, float('nan')):.2f}",
+                _x(w.batches[-1].tokens_per_s / w.batches[0].tokens_per_s),
+                "yes" if w.variance is None else "**no**",
+                f"{w.quality.agreement:.1%}" + ("" if w.quality.meets_floor else " (under floor)"),
+                f"{w.quality.perplexity_delta:+.2%}",
+            ]
+            for w in llama.weights
+        ],
+    )
 
 
 def _render_bench_spec(result: dict[str, Any]) -> Rendered:

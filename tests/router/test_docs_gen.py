@@ -378,3 +378,19 @@ def test_the_readme_is_a_short_entry_whose_links_all_resolve():
     local = [t for t in targets if "://" not in t]
     assert "docs/images/capacity-speedup.png" in local
     assert [t for t in local if not (ROOT / t).exists()] == []
+
+
+def test_a_bench_plain_result_shows_each_llama_cpp_weight_type_with_its_quality_and_probe():
+    data = _fixture("bench-plain-llamacpp.json")
+    rendered = docs_gen.RENDERERS["bench plain"](data)
+    table = rendered.tables[-1].splitlines()
+    assert "Passes invariant" in table[0] and "Agreement with float" in table[0]
+    for weights in data["llamacpp"]["weights"]:
+        quality = weights["quality"]
+        row = next(line for line in table if line.startswith(f"| {weights['weights']} ("))
+        assert f"{weights['engine_tokens_per_s']:.1f} ({weights['ratio']:.2f}×)" in row
+        assert f"{quality['agreement']:.1%}" in row and ("under floor" in row) != quality["meets_floor"]
+        assert ("| **no** |" in row) == (weights["variance"] is not None)
+    first = data["llamacpp"]["weights"][0]
+    headline = f"llama.cpp engine ({first['weights']} weights), batch 1, over llama.cpp's own generation"
+    assert (headline, f"{first['ratio']:.2f}×") in rendered.headlines
