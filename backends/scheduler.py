@@ -278,10 +278,7 @@ class Scheduler:
         for drafter in drafters:
             reason = self.cache.refusal(drafter)
             if reason is not None:
-                raise RequestError(
-                    f"the {self.cache.name} engine cannot serve drafter {drafter.name}: {reason}; "
-                    "serve it with engine torch, or pick a drafter that needs only tokens (ngram, model)"
-                )
+                raise RequestError(f"the {self.cache.name} engine cannot serve drafter {drafter.name}: {reason}")
         self.costs = costs if costs is not None or not drafters else step_costs(loaded, self.widest, self.settings)
         if self.costs is not None and self.costs.max_width < self.widest:
             raise ValueError(f"the step-cost table covers widths up to {self.costs.max_width}, need {self.widest}")

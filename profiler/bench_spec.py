@@ -473,7 +473,9 @@ def _model_description(config: BenchSpecConfig, loaded: LoadedModel) -> dict[str
     """The target as loaded, and on the llamacpp engine what llama.cpp says of the file it ran."""
     described = loaded.info.as_dict()
     if config.engine == "llamacpp":
-        described["gguf_types"] = gguf_weight_types(gguf_file(loaded))
+        described["gguf_types"] = gguf_weight_types(gguf_file(loaded, config.gguf_weights))
+        described["gguf_weights"] = config.gguf_weights
+        described["peer_gguf_types"] = gguf_weight_types(gguf_file(loaded))  # llama.cpp's own runs the file as shipped
     return described
 
 
@@ -564,7 +566,12 @@ def render_report(report: BenchSpecReport) -> str:
 def _engine_label(config: BenchSpecConfig, model: dict[str, object]) -> str:
     """What the loops computed in: the torch target's dtype, or llama.cpp and the file's weight types."""
     if config.engine == "llamacpp":
-        return f"llama.cpp engine, {model.get('gguf_types') or 'GGUF'}"
+        label = f"llama.cpp engine, {model.get('gguf_types') or 'GGUF'}"
+        if model.get("gguf_weights", "file") != "file":
+            label += (
+                f" requantized from the file; llama.cpp's own generation runs it as shipped, {model['peer_gguf_types']}"
+            )
+        return label
     return str(model["dtype"])
 
 

@@ -27,9 +27,9 @@ a probe of about a second, once per process); speculation is refused on weights 
 found a difference, with what it found (on an AVX2 EPYC: the file's Q4_1, Q4_0, Q5_0 and Q8_0 are
 invariant; IQ4_NL, F16 and BF16 are not).
 
-Memory is split evenly: each of `max_sequences` rows may hold `max_tokens / max_sequences` tokens
-(llama-server's slots); a request whose prompt + max_tokens exceeds its row's share is refused at
-once (`sequence_tokens`), and every admitted row fits.
+Memory is split evenly: each of `max_sequences` rows may hold `max_tokens / max_sequences` tokens,
+rounded up to a multiple of 256 (llama-server's slots); a request whose prompt + max_tokens exceeds
+its row's share is refused at once (`sequence_tokens`), and every admitted row fits.
 
 Drafters that need more of the target than tokens — its hidden states (EAGLE, Medusa), its own
 layers (early exit), tree-shaped blocks (lookahead) — are refused with the reason (`refusal`).
@@ -69,6 +69,7 @@ INSTALL_HINT = (
 )
 FLASH_ATTENTION_ON = 1  # llama.cpp's LLAMA_FLASH_ATTN_TYPE_ENABLED
 KV_TYPE_Q8_0 = 8  # ggml's GGML_TYPE_Q8_0
+CONTEXT_PAD = 256  # llama.cpp rounds a context's size up to a multiple of this
 PROBE_CONTEXT = 64  # tokens per row in the step-cost probe, as the torch engine's probe
 _LOAD = threading.Lock()
 
@@ -175,8 +176,9 @@ class LlamaCppEngine:
             )
         self.path = Path(path)
         self.model = _model(str(self.path))
-        # Each row's share in whole blocks (llama.cpp splits n_ctx evenly over the sequences).
-        share = max(math.ceil(max_tokens / max_sequences / BLOCK_TOKENS), 1) * BLOCK_TOKENS
+        # Each row's share in whole blocks of CONTEXT_PAD tokens: llama.cpp pads n_ctx to a multiple of
+        # it, then splits n_ctx evenly over the sequences (rounding down, with a warning, where uneven).
+        share = max(math.ceil(max_tokens / max_sequences / CONTEXT_PAD), 1) * CONTEXT_PAD
         params = llama_cpp.llama_context_default_params()
         params.n_ctx = share * max_sequences
         params.n_batch = params.n_ubatch = max(batch_tokens, 1)
@@ -250,7 +252,7 @@ class LlamaCppEngine:
         if variance is not None:
             return (
                 f"speculation would not return these weights' plain tokens: {variance}; serve them plain, or pick "
-                "weights whose passes are invariant here (the probe runs at start-up: file, Q4_0, Q8_0 are on AVX2)"
+                "weights whose passes are invariant here (on an AVX2 EPYC the probe found Q4_1, Q4_0, Q5_0 and Q8_0 so)"
             )
         return None
 

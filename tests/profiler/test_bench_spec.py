@@ -4,7 +4,7 @@ import pytest
 from pydantic import ValidationError
 
 from backends.engines.llamacpp import llama_unavailable
-from profiler.bench_spec import BenchSpecConfig, render_report, run_bench_spec
+from profiler.bench_spec import BenchSpecConfig, _engine_label, render_report, run_bench_spec
 from router.cli import main
 
 from ..conftest import NATIVE_BF16_ONLY
@@ -97,6 +97,18 @@ def test_bench_spec_on_the_llama_cpp_engine_faces_llama_cpps_own_generation(load
     one = report.step_costs_ms["1"]
     assert f"k=1: {report.step_costs_ms['2'] / one:.2f}" in text and "llama.cpp engine, " in text
     assert f"  ours over llama.cpp: plain / llama.cpp generate = {ratio:.2f}×" in text
+    assert "requantized" not in text and report.model["peer_gguf_types"] == report.model["gguf_types"]
+
+
+def test_requantized_weights_are_named_beside_the_file_llama_cpps_own_generation_runs():
+    model = {"gguf_types": "llama 256M Q8_0", "gguf_weights": "Q8_0", "peer_gguf_types": "llama 256M Q4_1"}
+    label = _engine_label(BenchSpecConfig(engine="llamacpp", gguf_weights="Q8_0"), model)
+    assert label == (
+        "llama.cpp engine, llama 256M Q8_0 requantized from the file; llama.cpp's own generation runs it as "
+        "shipped, llama 256M Q4_1"
+    )
+    with pytest.raises(ValidationError, match="--gguf-weights Q8_0 requantizes the file .* add --engine llamacpp"):
+        BenchSpecConfig(gguf_weights="Q8_0")
 
 
 def test_bench_spec_cli_writes_json(tmp_path, capsys, loaded):
