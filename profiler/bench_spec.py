@@ -15,6 +15,7 @@ predictions on both sets (Brier, reliability)."""
 from __future__ import annotations
 
 import math
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -239,7 +240,7 @@ def _runners(
             engine = SpeculativeEngine(
                 loaded, drafter.fresh(), k=k, k_max=config.k_max, costs=costs, settings=config.loop, acceptance=fitted
             )
-            runners[f"{kind} k={k}"] = _engine_runner(engine)
+            runners[speculative_run(kind, k)] = _engine_runner(engine)
         autos[kind] = engine
         if config.engine == "llamacpp":
             pairs[f"{kind} k=auto"] = LlamaCppPeer.name
@@ -258,6 +259,15 @@ def _runners(
             runners["transformers assisted"] = _hf_runner(plain, loaded, assistant_model=draft.model)
             pairs[f"{kind} k=auto"] = "transformers assisted"
     return runners, pairs, costs, autos, scores
+
+
+def speculative_run(kind: str, k: int | str) -> str:
+    """A speculative configuration's run name; every other run is plain decoding or a reference."""
+    return f"{kind} k={k}"
+
+
+def is_speculative(name: str) -> bool:
+    return re.fullmatch(r".+ k=(\d+|auto)", name) is not None
 
 
 def _llamacpp_runners(config: BenchSpecConfig, loaded: LoadedModel) -> tuple[dict[str, Runner], dict[str, str]]:

@@ -394,3 +394,16 @@ def test_a_bench_plain_result_shows_each_llama_cpp_weight_type_with_its_quality_
     first = data["llamacpp"]["weights"][0]
     headline = f"llama.cpp engine ({first['weights']} weights), batch 1, over llama.cpp's own generation"
     assert (headline, f"{first['ratio']:.2f}×") in rendered.headlines
+
+
+def test_a_llama_cpp_bench_spec_result_judges_identity_by_its_speculative_runs_only():
+    """Its references — llama.cpp's own generation and the float32 torch loop — are other numerical
+    models whose tokens differ; the headline is about speculation against the engine's plain loop."""
+    data = _fixture("bench-spec-llamacpp.json")
+    runs = [run for category in data["categories"] for run in category["runs"]]
+    assert not all(run["identical"] for run in runs)
+    assert all(run["identical"] for run in runs if " k=" in run["name"])
+    headlines = dict(docs_gen.RENDERERS["bench spec"](data).headlines)
+    assert headlines["speculative output identical to plain (greedy, llamacpp engine, Q8_0 weights)"] == "yes"
+    best = headlines["speculative decoding, best geomean speedup over plain (batch 1, llamacpp engine, Q8_0 weights)"]
+    assert "k=" in best and "llama.cpp generate" not in best
