@@ -278,6 +278,7 @@ class Scheduler:
         for drafter in drafters:
             reason = self.cache.refusal(drafter)
             if reason is not None:
+                self.cache.close()  # a llama.cpp context holds its whole KV cache until freed
                 raise RequestError(f"the {self.cache.name} engine cannot serve drafter {drafter.name}: {reason}")
         self.costs = costs if costs is not None or not drafters else step_costs(loaded, self.widest, self.settings)
         if self.costs is not None and self.costs.max_width < self.widest:
@@ -301,6 +302,10 @@ class Scheduler:
         self.last_step = StepRecord(0, 0)
 
     # -- requests ---------------------------------------------------------------------------
+    def close(self) -> None:
+        """Free the engine's memory now (a loop that is done: benches, quality measurements)."""
+        self.cache.close()
+
     def check(self, request: GenerationRequest, drafter: str | None = None) -> list[int]:
         """The request's prompt ids, or a `RequestError` saying why this loop cannot serve it."""
         ids = self.plain.encode(request)
@@ -939,6 +944,7 @@ def step_costs(
             from .engines import gguf_file
             from .engines.llamacpp import measure_llamacpp_step_times
 
+            # Resolved per probe (a new batch bucket) but cheap: requantized files are looked up once a process.
             return measure_llamacpp_step_times(
                 gguf_file(loaded, loop.gguf_weights), batch, widths, torch.get_num_threads()
             )

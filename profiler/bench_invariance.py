@@ -70,6 +70,7 @@ class BenchInvarianceReport(BaseModel):
     machine: MachineInfo
     model: dict[str, object]
     engine: str = "torch"
+    gguf_weights: str = Field("file", description="the llama.cpp engine's weights (file: the GGUF file as shipped)")
     k: str = "auto"
     drafter: str
     agreements: list[Agreement]
@@ -101,6 +102,7 @@ def run_bench_invariance(config: BenchInvarianceConfig) -> BenchInvarianceReport
         machine=machine_info(),
         model=loaded.info.as_dict(),
         engine=config.engine,
+        gguf_weights=config.gguf_weights,
         k=str(config.k),
         drafter=drafter.name,
         agreements=agreements,
@@ -163,8 +165,9 @@ def _batched(loop: Scheduler, requests: list[GenerationRequest], size: int, bar:
 
 def render_report(report: BenchInvarianceReport) -> str:
     m = report.model
+    engine = f"{report.engine} engine" + ("" if report.gguf_weights == "file" else f", {report.gguf_weights} weights")
     lines = [
-        f"specroute bench invariance — {m['name']} ({m['dtype']}, {m['device']}, {report.engine} engine) on "
+        f"specroute bench invariance — {m['name']} ({m['dtype']}, {m['device']}, {engine}) on "
         f"{report.machine.cpu}, {report.machine.torch_threads} threads; greedy; drafter {report.drafter} "
         f"(k {report.k})",
         "",

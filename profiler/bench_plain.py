@@ -225,6 +225,7 @@ def _llamacpp_section(
         rates, same = _interleaved(runs, requests, config.rounds, bar)
         torch_rates = torch_rates or {"torch": rates["torch"], "peer": rates["peer"]}
         measured.append(_weights_point(loaded, weights, engine, rates, same, truth, requests, config, bar))
+        engine.close()  # its context holds the widest batch's cache: freed before the next type's
     return LlamaCppPlain(
         requests=config.rounds * len(requests),
         torch_tokens_per_s=torch_rates["torch"],

@@ -529,7 +529,10 @@ def measure_gguf_quality(ref: Reference, loaded: LoadedModel, weights: GgufWeigh
     greedy answers, and its teacher-forced logits and perplexity (llama.cpp passes of its own)."""
     path = gguf_file(loaded, weights)
     loop = Scheduler(loaded, LoopSettings(engine="llamacpp", gguf_weights=weights, max_batch=4))
-    answers = [r.token_ids for r in loop.generate(list(ref.requests))]
+    try:
+        answers = [r.token_ids for r in loop.generate(list(ref.requests))]
+    finally:
+        loop.close()
     return compare_quality(ref, answers, lambda ids: score_sequence(path, ids, torch.get_num_threads()))
 
 

@@ -82,6 +82,10 @@ class Engine(Protocol):
         """Why this engine cannot serve `drafter` (None: it can)."""
         ...
 
+    def close(self) -> None:
+        """Free what the engine holds outside Python's memory now (a llama.cpp context)."""
+        ...
+
 
 def build_engine(
     loaded: LoadedModel, settings: LoopSettings, feature_layers: Sequence[int] = (), tile: int | None = None

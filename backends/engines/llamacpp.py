@@ -127,27 +127,39 @@ def _model(path: str) -> Any:
 def requantized(source: Path, weights: GgufWeights) -> Path:
     """`source` requantized by llama.cpp to `weights` (`llama_model_quantize`, requantizing a quantized
     file as `llama-quantize --allow-requantize` does; a tensor the type cannot hold, such as a row
-    length its blocks do not divide, keeps llama.cpp's fallback type). Made once per source file's
-    content and kept under SPECROUTE_HOME; replicas starting together never read half a file."""
+    length its blocks do not divide, keeps llama.cpp's fallback type); `file`: `source` itself. Made
+    once per source file's content and kept under SPECROUTE_HOME; replicas starting together never
+    read half a file."""
+    if weights == "file":
+        return source
+    stat = source.stat()
+    return _requantized(str(source), weights, stat.st_size, stat.st_mtime_ns)
+
+
+@functools.cache
+def _requantized(source: str, weights: str, _size: int, _mtime_ns: int) -> Path:
+    """`requantized` once per process and source file version (the content hash reads the whole file)."""
     llama_cpp = _llama()
     digest = hashlib.sha256()
     with open(source, "rb") as stream:
         for chunk in iter(lambda: stream.read(1 << 24), b""):
             digest.update(chunk)
-    target = specroute_home() / "cache" / "gguf" / f"{source.stem}.{weights}.{digest.hexdigest()[:16]}.gguf"
+    target = specroute_home() / "cache" / "gguf" / f"{Path(source).stem}.{weights}.{digest.hexdigest()[:16]}.gguf"
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    staged = target.with_suffix(f".{os.getpid()}.tmp")
+    staged = target.with_suffix(f".{os.getpid()}-{threading.get_ident()}.tmp")
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{weights}")
     params.allow_requantize = True
     params.nthread = max(torch.get_num_threads(), 1)
-    status = llama_cpp.llama_model_quantize(str(source).encode(), str(staged).encode(), ctypes.byref(params))
-    if status != 0:
+    try:
+        status = llama_cpp.llama_model_quantize(source.encode(), str(staged).encode(), ctypes.byref(params))
+        if status != 0:
+            raise ModelLoadError(f"llama.cpp could not requantize {Path(source).name} to {weights} (status {status})")
+        staged.replace(target)
+    finally:
         staged.unlink(missing_ok=True)
-        raise ModelLoadError(f"llama.cpp could not requantize {source.name} to {weights} (status {status})")
-    staged.replace(target)
     return target
 
 
@@ -256,11 +268,6 @@ class LlamaCppEngine:
             )
         return None
 
-    @property
-    def invariant(self) -> bool:
-        """Whether a row's logits here do not depend on a pass's width or batch (see `pass_variance`)."""
-        return pass_variance(str(self.path), self.threads) is None
-
     # -- passes -----------------------------------------------------------------------------
     def logits(
         self,
@@ -354,38 +361,45 @@ def _needs_more_than_tokens(drafter: Drafter) -> str | None:
 
 PROBE_WIDTHS = (1, 2, 5, 9)  # a decode step, and verify passes of 1, 4 and 8 drafts
 PROBE_ROWS = 8  # the batch a row is also computed in
+PROBE_CHUNK = 240  # a prompt chunk sharing a pass with a row's block (a pass of ~250 tokens)
 
 
 @functools.cache
 def pass_variance(path: str, threads: int) -> str | None:
     """Whether llama.cpp's kernels for the weights at `path` give a row's logits independent of how
     they are computed on this machine, measured: random tokens after a 16-token context, fed in
-    blocks of each probe width, alone and among `PROBE_ROWS` rows, against the same tokens fed one
-    at a time alone (bit for bit). None: no difference; else where the first one was and how large.
-    Which kernels run depends on the weight type, the CPU and a pass's token count (types with
-    repacked matrix-matrix kernels switch paths by it), so it is measured where it runs, once per
-    process. Tokens and contexts other than the probe's could still differ; the tests and `bench
-    invariance` check real prompts."""
+    blocks of each probe width — alone, among `PROBE_ROWS` rows, and beside another row's
+    `PROBE_CHUNK`-token prompt chunk — against the same tokens fed one at a time alone (bit for
+    bit). None: no difference; else where the first one was and how large. Which kernels run
+    depends on the weight type, the CPU and a pass's token count (types with repacked matrix-matrix
+    kernels switch paths by it), so it is measured where it runs, once per process. Tokens and
+    contexts other than the probe's could still differ; the tests and `bench invariance` check
+    real prompts."""
     context, longest = 16, max(PROBE_WIDTHS)
-    generator = np.random.default_rng(7)
-    rows = [generator.integers(0, 32000, context + longest).tolist() for _ in range(PROBE_ROWS)]
-    size = context + longest + BLOCK_TOKENS
-    engine = LlamaCppEngine(Path(path), PROBE_ROWS * size, PROBE_ROWS, threads, batch_tokens=PROBE_ROWS * size)
+    row_tokens = context + PROBE_CHUNK + longest
+    batch_tokens = PROBE_ROWS * longest + PROBE_CHUNK
+    engine = LlamaCppEngine(Path(path), PROBE_ROWS * row_tokens, PROBE_ROWS, threads, batch_tokens=batch_tokens)
     try:
+        generator = np.random.default_rng(7)
+        rows = [generator.integers(0, engine.vocab_size, context + longest).tolist() for _ in range(PROBE_ROWS)]
+        chunk = generator.integers(0, engine.vocab_size, PROBE_CHUNK).tolist()
         seqs = [engine.add() for _ in rows]
         engine.logits(seqs, [r[:context] for r in rows])
         reference = torch.cat([engine.logits([seqs[0]], [[t]])[0] for t in rows[0][context:]])
-        for width in PROBE_WIDTHS:
-            for batch in (1, PROBE_ROWS):
-                for seq in seqs:
-                    engine.truncate(seq, context)
-                got = engine.logits(seqs[:batch], [r[context : context + width] for r in rows[:batch]])[0, :width]
-                delta = float((got - reference[:width]).abs().max())
-                if delta > 0:
-                    return (
-                        f"a block of {width} token(s) in a batch of {batch} changed a logit by {delta:.3g} against "
-                        f"the same tokens fed one at a time (llama.cpp's kernels for {Path(path).name} on this CPU)"
-                    )
+        cases = [(w, b, False) for w in PROBE_WIDTHS for b in (1, PROBE_ROWS)] + [(w, 2, True) for w in (1, 5)]
+        for width, batch, beside_chunk in cases:
+            for seq in seqs:
+                engine.truncate(seq, context)
+            blocks = [r[context : context + width] for r in rows[:batch]]
+            if beside_chunk:
+                blocks[1] = chunk
+            delta = float((engine.logits(seqs[:batch], blocks)[0, :width] - reference[:width]).abs().max())
+            if delta > 0:
+                where = "beside a prompt chunk" if beside_chunk else f"in a batch of {batch}"
+                return (
+                    f"a block of {width} token(s) {where} changed a logit by {delta:.3g} against the same tokens fed "
+                    f"one at a time (llama.cpp's kernels for {Path(path).name} on this CPU)"
+                )
         return None
     finally:
         engine.close()

@@ -32,3 +32,6 @@ class TorchPagedEngine(PagedCache):
 
     def refusal(self, drafter: Drafter) -> str | None:
         return None
+
+    def close(self) -> None:
+        """Nothing to free before the garbage collector: the pool is torch tensors."""

@@ -2,12 +2,21 @@
 what llama.cpp's own generation computes, speculation on it returns its plain tokens, a row's
 tokens do not depend on its batch-mates, and what it cannot serve is refused with the reason."""
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
 from backends.embedded import specroute_home
 from backends.engines import build_engine, gguf_file
-from backends.engines.llamacpp import KV_TYPE_Q8_0, gguf_weight_types, llama_unavailable, pass_variance, requantized
+from backends.engines.llamacpp import (
+    KV_TYPE_Q8_0,
+    LlamaCppEngine,
+    gguf_weight_types,
+    llama_unavailable,
+    pass_variance,
+    requantized,
+)
 from backends.errors import ModelLoadError, RequestError
 from backends.generation import GenerationRequest
 from backends.models import LoadedModel
@@ -128,6 +137,7 @@ def test_requantized_weights_are_made_once(loaded: LoadedModel) -> None:
     assert requantized(loaded.gguf, "Q8_0") == path and path.stat().st_mtime_ns == made
     assert path.parent == specroute_home() / "cache" / "gguf" and "Q8_0" in gguf_weight_types(path)
     assert gguf_file(loaded, "Q8_0") == path and gguf_file(loaded) == loaded.gguf
+    assert requantized(loaded.gguf, "file") == loaded.gguf
 
 
 @pytest.mark.parametrize("weights", ["Q8_0", "F16"])
@@ -150,3 +160,26 @@ def test_speculation_on_requantized_weights_is_exact_to_them_or_refused(loaded: 
     engine = SpeculativeEngine(loaded, lookup(), k=4, settings=settings)
     assert [engine.generate([r])[0].token_ids for r in requests] == alone
     assert [r.token_ids for r in engine.generate(requests)] == alone
+
+
+def test_the_probe_finds_a_pass_that_changes_a_logit(loaded: LoadedModel, monkeypatch) -> None:
+    """A block whose logits differ from one-at-a-time decoding by any amount is reported, with where."""
+    path = str(loaded.gguf)
+    honest = pass_variance(path, 1)
+    original = LlamaCppEngine.logits
+
+    def skewed(self, seqs, blocks, width=None, structures=None):
+        out = original(self, seqs, blocks, width, structures)
+        if len(blocks[0]) > 1:  # every multi-token block; the one-at-a-time reference is untouched
+            out[0, 0, 0] += 0.5
+        return out
+
+    monkeypatch.setattr(LlamaCppEngine, "logits", skewed)
+    pass_variance.cache_clear()
+    try:
+        found = pass_variance(path, 1)
+    finally:
+        pass_variance.cache_clear()
+    assert found is not None and "changed a logit" in found and Path(path).name in found
+    if honest is None:  # the first case that differs is then the skewed one
+        assert found.startswith("a block of 2 token(s) in a batch of 1 changed a logit by 0.5")
