@@ -23,7 +23,7 @@ The weights are the file's own, or the file requantized by llama.cpp to one type
 `LoopSettings.gguf_weights`). Whether a type's kernels give a row the same logits whatever the
 pass's width and batch depends on the type and the CPU — types with repacked matrix-matrix kernels
 switch paths by a pass's token count — so it is measured where the engine runs (`pass_variance`,
-a probe of about a second, once per process); speculation is refused on weights where the probe
+a probe of a few seconds, once per process); speculation is refused on weights where the probe
 found a difference, with what it found (on an AVX2 EPYC: the file's Q4_1, Q4_0, Q5_0 and Q8_0 are
 invariant; IQ4_NL, F16 and BF16 are not).
 
