@@ -133,20 +133,25 @@ def requantized(source: Path, weights: GgufWeights) -> Path:
     if weights == "file":
         return source
     stat = source.stat()
-    return _requantized(str(source), weights, stat.st_size, stat.st_mtime_ns)
+    digest = _content_digest(str(source), stat.st_size, stat.st_mtime_ns)
+    target = specroute_home() / "cache" / "gguf" / f"{source.stem}.{weights}.{digest}.gguf"
+    if not target.is_file():
+        _quantize(source, weights, target)
+    return target
 
 
 @functools.cache
-def _requantized(source: str, weights: str, _size: int, _mtime_ns: int) -> Path:
-    """`requantized` once per process and source file version (the content hash reads the whole file)."""
-    llama_cpp = _llama()
+def _content_digest(source: str, _size: int, _mtime_ns: int) -> str:
+    """A file's content hash, read once per process and file version (it reads the whole file)."""
     digest = hashlib.sha256()
     with open(source, "rb") as stream:
         for chunk in iter(lambda: stream.read(1 << 24), b""):
             digest.update(chunk)
-    target = specroute_home() / "cache" / "gguf" / f"{Path(source).stem}.{weights}.{digest.hexdigest()[:16]}.gguf"
-    if target.is_file():
-        return target
+    return digest.hexdigest()[:16]
+
+
+def _quantize(source: Path, weights: str, target: Path) -> None:
+    llama_cpp = _llama()
     target.parent.mkdir(parents=True, exist_ok=True)
     staged = target.with_suffix(f".{os.getpid()}-{threading.get_ident()}.tmp")
     params = llama_cpp.llama_model_quantize_default_params()
@@ -154,13 +159,12 @@ def _requantized(source: str, weights: str, _size: int, _mtime_ns: int) -> Path:
     params.allow_requantize = True
     params.nthread = max(torch.get_num_threads(), 1)
     try:
-        status = llama_cpp.llama_model_quantize(source.encode(), str(staged).encode(), ctypes.byref(params))
+        status = llama_cpp.llama_model_quantize(str(source).encode(), str(staged).encode(), ctypes.byref(params))
         if status != 0:
-            raise ModelLoadError(f"llama.cpp could not requantize {Path(source).name} to {weights} (status {status})")
+            raise ModelLoadError(f"llama.cpp could not requantize {source.name} to {weights} (status {status})")
         staged.replace(target)
     finally:
         staged.unlink(missing_ok=True)
-    return target
 
 
 def gguf_weight_types(path: Path) -> str:

@@ -131,7 +131,8 @@ def test_a_target_without_a_gguf_file_is_refused(loaded: LoadedModel) -> None:
         gguf_file(replace(loaded, gguf=None))
 
 
-def test_requantized_weights_are_made_once(loaded: LoadedModel) -> None:
+def test_requantized_weights_are_made_once(loaded: LoadedModel, monkeypatch, tmp_path) -> None:
+    monkeypatch.setenv("SPECROUTE_HOME", str(tmp_path))  # made here, whatever another home holds
     path = requantized(loaded.gguf, "Q8_0")
     made = path.stat().st_mtime_ns
     assert requantized(loaded.gguf, "Q8_0") == path and path.stat().st_mtime_ns == made
