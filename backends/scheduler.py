@@ -944,7 +944,7 @@ def step_costs(
             from .engines import gguf_file
             from .engines.llamacpp import measure_llamacpp_step_times
 
-            # Resolved per probe (a new batch bucket) but cheap: requantized files are looked up once a process.
+            # Resolved per probe (a new batch bucket) but cheap: a file's content hash is read once a process.
             return measure_llamacpp_step_times(
                 gguf_file(loaded, loop.gguf_weights), batch, widths, torch.get_num_threads()
             )

@@ -49,6 +49,9 @@ BENCH_PROMPTS = (
 )
 
 
+PASS_COST_DRAFTS = (1, 2, 4, 8)  # the k whose v(1, k) the llama.cpp section reports
+
+
 class BenchPlainConfig(BenchTarget):
     max_tokens: int = Field(48, ge=2, le=4096)
     batch_sizes: list[Annotated[int, Field(ge=1)]] = Field(default_factory=lambda: [1, 4, 16, 64], min_length=1)
@@ -210,8 +213,8 @@ def _llamacpp_section(
     truth = quality_reference(loaded, config.quality_prompts, config.quality_tokens)
     torch_rates: dict[str, float] = {}
     measured = []
+    widest = max(config.batch_sizes)
     for index, weights in enumerate(config.gguf_weights):
-        widest = max(config.batch_sizes)
         engine = Scheduler(
             loaded,
             LoopSettings(engine="llamacpp", gguf_weights=weights, max_batch=widest, kv_cache_tokens=widest * 1024),
@@ -248,7 +251,7 @@ def _weights_point(
     """The rest of one weight type's entry: its pass costs, batch scaling and quality."""
     path = gguf_file(loaded, weights)
     quality = measure_gguf_quality(truth, loaded, weights)
-    costs = measure_llamacpp_step_times(path, 1, [1, 2, 3, 5, 9], torch.get_num_threads())
+    costs = measure_llamacpp_step_times(path, 1, [1, *(k + 1 for k in PASS_COST_DRAFTS)], torch.get_num_threads())
     return LlamaWeights(
         weights=weights,
         weight_types=gguf_weight_types(path),
@@ -449,10 +452,10 @@ def _llamacpp_lines(llama: LlamaCppPlain | None) -> list[str]:
         f"llama.cpp engine, batch 1, {llama.requests} requests per weight type, each interleaved with llama.cpp's "
         "own generation of the file as shipped:",
         "  weights  llama.cpp says                   MB   tok/s  peer tok/s  × peer  = peer   "
-        "v(1,1) v(1,2) v(1,4) v(1,8)",
+        + " ".join(f"v(1,{k})" for k in PASS_COST_DRAFTS),
     ]
     for w in llama.weights:
-        costs = " ".join(f"{w.pass_cost.get(k, float('nan')):6.2f}" for k in (1, 2, 4, 8))
+        costs = " ".join(f"{w.pass_cost.get(k, float('nan')):6.2f}" for k in PASS_COST_DRAFTS)
         lines.append(
             f"  {w.weights:7s}  {w.weight_types:28s} {w.file_mb:6.1f} {w.engine_tokens_per_s:7.1f} "
             f"{w.peer_tokens_per_s:11.1f} {w.ratio:6.2f}× {w.identical_prompts:3d}/{llama.requests:<3d} {costs}"

@@ -243,7 +243,7 @@ def _runners(
             runners[speculative_run(kind, k)] = _engine_runner(engine)
         autos[kind] = engine
         if config.engine == "llamacpp":
-            pairs[f"{kind} k=auto"] = LlamaCppPeer.name
+            pairs[speculative_run(kind, "auto")] = LlamaCppPeer.name
             continue
         if not config.transformers:
             continue
@@ -252,12 +252,12 @@ def _runners(
             runners["transformers prompt lookup"] = _hf_runner(
                 plain, loaded, prompt_lookup_num_tokens=config.hf_prompt_lookup_tokens
             )
-            pairs[f"{kind} k=auto"] = "transformers prompt lookup"
+            pairs[speculative_run(kind, "auto")] = "transformers prompt lookup"
         if baseline == "assistant":
             draft = engine.drafter
             assert isinstance(draft, ModelDrafter)
             runners["transformers assisted"] = _hf_runner(plain, loaded, assistant_model=draft.model)
-            pairs[f"{kind} k=auto"] = "transformers assisted"
+            pairs[speculative_run(kind, "auto")] = "transformers assisted"
     return runners, pairs, costs, autos, scores
 
 
@@ -493,7 +493,8 @@ def _auto_over_fixed(kind: str, config: BenchSpecConfig, results: list[CategoryR
     out = {}
     for category in results:
         rates = {run.name: run.tokens_per_s for run in category.runs}
-        out[category.category] = rates[f"{kind} k=auto"] / max(rates[f"{kind} k={k}"] for k in config.fixed_k)
+        auto, fixed = speculative_run(kind, "auto"), [speculative_run(kind, k) for k in config.fixed_k]
+        out[category.category] = rates[auto] / max(rates[name] for name in fixed)
     return out
 
 

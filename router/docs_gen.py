@@ -25,7 +25,7 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel
 from pydantic.json_schema import GenerateJsonSchema, NoDefault
@@ -33,6 +33,9 @@ from pydantic_core import core_schema
 
 from policies.errors import UserError
 from profiler.results import ResultFile, record_run
+
+if TYPE_CHECKING:
+    from profiler.bench_plain import LlamaCppPlain
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS_DIR = "docs/results"
@@ -438,7 +441,7 @@ def _render_bench_plain(result: dict[str, Any]) -> Rendered:
     return Rendered(tables, headlines)
 
 
-def _llamacpp_weights_table(llama: Any) -> list[str]:
+def _llamacpp_weights_table(llama: LlamaCppPlain) -> list[str]:
     """Per weight type on the llama.cpp engine: speed beside the peer, v(1, 4), batch scaling,
     invariance and quality against the float target."""
     widest = llama.weights[0].batches[-1].batch_size
