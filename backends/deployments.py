@@ -26,10 +26,11 @@ from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 from ray import serve
 
 from policies.drafters import SERVED_KINDS, DrafterConfig, DrafterKind
+from policies.engines import DEFAULT_QUANTIZED_WEIGHTS, ENGINE_CHOICES, EngineChoice, GgufWeights, default_drafters
 from policies.profile import Profile
 from policies.quantization import QuantChoice
 
@@ -64,6 +65,12 @@ class BackendSettings(LoopSettings):
     and how its step loop schedules."""
 
     model: str = Field("embedded", description="'embedded', a local directory, a .gguf file or a HF id")
+    engine: EngineChoice = Field(  # type: ignore[assignment]  # a replica gets it decided, as the dtype
+        "torch",
+        description=f"what runs the target's passes ({', '.join(ENGINE_CHOICES)}); auto: the service picks the engine "
+        "this machine's profiles predict faster whose weights meet the quality floor (policies.serving_dtype), "
+        "before any replica starts",
+    )
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto",
         description="the target's dtype; auto: the service picks the exact dtype this machine's profiles say is "
@@ -84,6 +91,11 @@ class BackendSettings(LoopSettings):
         description="the quantized backend's method ('auto': int4-weight-only for weights on a group-32 4-bit "
         "grid, as GGUF Q4 checkpoints are, else int8-weight-only)",
     )
+    quantized_weights: GgufWeights = Field(
+        DEFAULT_QUANTIZED_WEIGHTS,
+        description="engine llamacpp: the quantized backend's weights, the .gguf file requantized to this type "
+        "(`quantization` names torch's methods)",
+    )
     profile: str | None = Field(None, description="profile JSON: seeds the speculative engine's step costs")
     profile_data: dict[str, Any] | None = Field(
         None,
@@ -96,6 +108,14 @@ class BackendSettings(LoopSettings):
         "passes the prompt set's calibration half, the one the profiler did not measure quality on)",
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _engine_drafters(cls, data: Any) -> Any:
+        # Unless drafters are named, the engine's own default (policies.engines.default_drafters).
+        if isinstance(data, dict) and "drafters" not in data and data.get("engine") not in (None, "torch", "auto"):
+            return {**data, "drafters": default_drafters(data["engine"])}
+        return data
+
 
 class _Backend:
     """Shared shell: load, build the step loop, stream each request through it."""
@@ -105,8 +125,8 @@ class _Backend:
     def __init__(self, settings: dict[str, Any]):
         self.settings = BackendSettings.model_validate(settings)
         s = self.settings
-        if s.dtype == "auto":  # resolved by the app builder (router.service.resolve_dtype)
-            raise ModelLoadError("a backend replica needs its dtype decided: float32 or bfloat16, not auto")
+        if "auto" in (s.dtype, s.engine):  # resolved by the app builder (router.service.resolve_dtype)
+            raise ModelLoadError("a backend replica needs its engine and dtype decided, not auto")
         ensure_model_here(s.model)
         self.loaded = load_model(s.model, dtype=s.dtype, device=s.device, threads=s.threads)
         self.static: EngineQueue | None = None
@@ -193,6 +213,9 @@ class QuantizedBackend(_Backend):
     def __init__(self, settings: dict[str, Any]):
         super().__init__(settings)
         s = self.settings
+        if s.engine == "llamacpp":  # the builder set gguf_weights to the requantized type (quantized_args)
+            self.start(self.loaded)
+            return
         method = resolve_method(self.loaded, s.quantization)
         # The profiler's run of the same calibration left its statistics in the cache: reused here.
         calibration = calibration_ids(self.loaded, s) if needs_calibration(method) else []

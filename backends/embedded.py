@@ -43,6 +43,11 @@ def embedded_gguf_path() -> Path:
 
 
 def embedded_model_ready() -> bool:
+    """Converted for torch, and the GGUF file kept beside it (what the llama.cpp engine serves)."""
+    return _converted() and embedded_gguf_path().is_file()
+
+
+def _converted() -> bool:
     model_dir = embedded_model_dir()
     return all((model_dir / name).is_file() for name in _REQUIRED_FILES)
 
@@ -55,7 +60,8 @@ def prepare_embedded_model(force: bool = False, log: Callable[[str], None] = pri
     gguf_path = embedded_gguf_path()
     if force or not gguf_path.is_file():
         _download_gguf(gguf_path, log)
-    _convert_gguf(gguf_path, embedded_model_dir(), log)
+    if force or not _converted():
+        _convert_gguf(gguf_path, embedded_model_dir(), log)
     return embedded_model_dir()
 
 

@@ -428,9 +428,14 @@ def kv_head_shape(config: object) -> tuple[int, int]:
 
 def kv_bytes_per_token(model: torch.nn.Module) -> int:
     """Bytes one cached token takes in a `PagedCache` of this model: keys and values, every layer."""
-    heads, head_dim = kv_head_shape(model.config)
     itemsize = torch.empty((), dtype=_cache_dtype(model)).element_size()
-    return 2 * model.config.num_hidden_layers * heads * head_dim * itemsize
+    return kv_values_per_token(model) * itemsize
+
+
+def kv_values_per_token(model: torch.nn.Module) -> int:
+    """Values one cached token holds: keys and values of every KV head of every layer."""
+    heads, head_dim = kv_head_shape(model.config)
+    return 2 * model.config.num_hidden_layers * heads * head_dim
 
 
 def _cache_dtype(model: torch.nn.Module) -> torch.dtype:

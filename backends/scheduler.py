@@ -144,7 +144,7 @@ class LoopSettings(BaseModel):
 
     @model_validator(mode="after")
     def _weights_are_llamacpps(self) -> LoopSettings:
-        if self.gguf_weights != "file" and self.engine != "llamacpp":
+        if self.gguf_weights != "file" and self.engine == "torch":
             raise ValueError(
                 f"gguf_weights {self.gguf_weights} requantizes the .gguf file the llamacpp engine serves; the "
                 f"{self.engine} engine loads its own weights: set engine llamacpp, or leave gguf_weights at file"

@@ -19,6 +19,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .drafters import DrafterKind
+from .engines import EngineName, GgufWeights
 from .errors import UserError
 from .quantization import REDUCED_PRECISION, WEIGHT_ONLY
 
@@ -367,6 +368,15 @@ class QuantizedProfile(_Frozen):
     )
 
 
+class ShippedQuality(_Frozen):
+    """A quantized model's agreement with the full-precision target: a property of the two models."""
+
+    method: str
+    agreement: float = Field(ge=0, le=1)
+    perplexity_delta: float | None = None
+    greedy_match: float | None = Field(None, ge=0, le=1)
+
+
 class ModelSummary(_Frozen):
     name: str
     dtype: str
@@ -391,26 +401,37 @@ class ModelSummary(_Frozen):
         None,
         description="the linear kernels the profile's passes ran on a CPU ('packed' or 'torch'; chosen by measurement)",
     )
+    engine: EngineName = Field("torch", description="what ran the target's passes (policies.engines)")
+    gguf_weights: GgufWeights | None = Field(
+        None, description="the llamacpp engine: the weights it served (the file's own, or the file requantized)"
+    )
+    quality: ShippedQuality | None = Field(
+        None,
+        description="the llamacpp engine: its weights' quality against the float target (a numerical model of "
+        "their own, admitted by the policy's quality floor as a quantized backend is); None on torch (the reference)",
+    )
 
     @property
     def exact_at_batch_one(self) -> bool:
         """Whether speculative greedy output equals plain output at batch 1 in this dtype: float32's
-        kernels give a token the same logits at any pass width here; reduced precision needs tiles."""
+        kernels give a token the same logits at any pass width here; reduced precision needs tiles;
+        the llama.cpp engine refuses to speculate on weights its probe finds width-variant, so a
+        profile of it exists only where it is exact (to its own weights)."""
+        if self.engine == "llamacpp":
+            return True
         return self.dtype not in REDUCED_PRECISION or self.tile_width is not None
+
+    @property
+    def served(self) -> str:
+        """What the target computes in, as /v1/models and the reasons name it."""
+        if self.engine == "llamacpp":
+            return f"llama.cpp {self.gguf_weights or 'file'}"
+        return self.dtype
 
 
 class DrafterName(_Frozen):
     name: str = Field(description="the engine's name for it")
     kind: DrafterKind
-
-
-class ShippedQuality(_Frozen):
-    """A quantized model's agreement with the full-precision target: a property of the two models."""
-
-    method: str
-    agreement: float = Field(ge=0, le=1)
-    perplexity_delta: float | None = None
-    greedy_match: float | None = Field(None, ge=0, le=1)
 
 
 class AcceptanceSeed(_Frozen):

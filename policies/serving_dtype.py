@@ -19,11 +19,13 @@ from typing import Literal
 from pydantic import BaseModel, Field
 
 from .config import PolicyConfig
+from .engines import EngineName
 from .estimates import ProfileCosts
 from .policy import LoadSnapshot, RequestFeatures, decide
 from .profile import Profile, ProfileError
 
 DEFAULT_DTYPE = "float32"  # the reference every other dtype is compared with, and the fallback
+LOADED_OUTPUT_TOKENS = 64  # output tokens a request of the loaded figure asks for (bench load's default)
 SERVED_DTYPES: tuple[str, ...] = ("float32", "bfloat16")  # what `dtype: auto` picks among
 # A dtype must beat the one served before it by this much: two profiles measured minutes apart on
 # a noisy machine differ by a few percent with nothing changed.
@@ -34,6 +36,11 @@ class DtypeOutlook(BaseModel):
     """One dtype's profile read for the choice: predicted speeds from measured costs and acceptance."""
 
     dtype: str = Field(description="the dtype this profile was measured in")
+    engine: EngineName = Field("torch", description="the engine its passes ran on")
+    served: str = Field("", description="what the target computes in: the dtype, or llama.cpp's weights")
+    agreement: float | None = Field(
+        None, description="llama.cpp: its weights' teacher-forced agreement with the float target (None: torch)"
+    )
     exact: bool = Field(description="speculative greedy output equals plain output at batch 1 in this dtype")
     tile_width: int | None = Field(None, description="width-invariant passes' width (None: natural widths)")
     tile_max_rows: int | None = Field(None, description="with tile_width: the most sequences a tiled pass has")
@@ -48,6 +55,12 @@ class DtypeOutlook(BaseModel):
     )
     batch: int = Field(description="the largest profiled batch within batching.max_batch")
     batch_tokens_per_s: float = Field(description="plain decoding at that batch, all sequences together")
+    loaded_tokens_per_s: float = Field(
+        0.0,
+        description="output tokens/s with that batch kept full of requests of the profiled prompts' mean length "
+        f"and {LOADED_OUTPUT_TOKENS} output tokens each, prefill included (at the longest prefill measured, per "
+        "token): what a service under load delivers, where prefill weighs as much as decoding",
+    )
     measured: str = Field(description="when and on what the profile was measured")
 
 
@@ -55,6 +68,7 @@ class DtypeChoice(BaseModel):
     """Which exact dtype the service serves, and why."""
 
     dtype: str = Field(description="the dtype chosen (float32 or bfloat16)")
+    engine: EngineName = Field("torch", description="the engine chosen (engine auto) or configured")
     source: Literal["measured", "configured"] = Field(
         description="measured: picked from the profiles (dtype auto); configured: set in the settings"
     )
@@ -79,6 +93,9 @@ def outlook(profile: Profile, config: PolicyConfig) -> DtypeOutlook:
     m = profile.model
     return DtypeOutlook(
         dtype=m.dtype,
+        engine=m.engine,
+        served=m.served,
+        agreement=m.quality.agreement if m.quality is not None else None,
         exact=m.exact_at_batch_one,
         tile_width=m.tile_width,
         tile_max_rows=m.tile_max_rows,
@@ -88,8 +105,19 @@ def outlook(profile: Profile, config: PolicyConfig) -> DtypeOutlook:
         best_by_category=by_category,
         batch=batch,
         batch_tokens_per_s=batch / costs.step_s(batch),
+        loaded_tokens_per_s=_loaded(profile, costs, batch),
         measured=f"{profile.machine.get('cpu')}, {profile.created:%Y-%m-%d %H:%M} UTC",
     )
+
+
+def _loaded(profile: Profile, costs: ProfileCosts, batch: int) -> float:
+    """Output tokens/s of `batch` rows kept busy by requests of the profiled mean prompt, prefill
+    included: each request's prompt costs its tokens at the measured prefill rate, each output
+    token its share of a batch-`batch` decode step."""
+    prompt = profile.mean_prompt_tokens() or 64
+    length, seconds = profile.prefill.widths[-1], profile.prefill.seconds[0][-1]
+    per_request = prompt * seconds / length + LOADED_OUTPUT_TOKENS * costs.step_s(batch) / batch
+    return LOADED_OUTPUT_TOKENS / per_request
 
 
 def choose_dtype(profiles: Sequence[Profile], config: PolicyConfig, missing: str | None = None) -> DtypeChoice:
@@ -112,6 +140,60 @@ def configured(dtype: str, profiles: Sequence[Profile], config: PolicyConfig, re
     outlooks = [outlook(p, config) for p in profiles]
     why = reason or f"{dtype}: set in the settings (backend.dtype; auto picks from the profiles)"
     return DtypeChoice(dtype=dtype, source="configured", reason=why, outlooks=outlooks)
+
+
+def choose_engine(
+    torch_choice: DtypeChoice, llama: Profile | None, config: PolicyConfig, missing: str | None = None
+) -> DtypeChoice:
+    """Engine auto: the llama.cpp engine's profile against the torch engine's chosen dtype, read the
+    same way: a lone request served as the policy would (geometric mean over the categories), and
+    a full batch of the profiled prompts, prefill included. Its weights are a numerical model of
+    their own: they compete only if their measured agreement with the float target meets the
+    quality floor; then they must beat torch by MIN_GAIN alone and not lose by more than that
+    under load (an engine serves every load the service sees: on a CPU where llama.cpp decodes
+    fast but prefills slowly, a lone request gains and a loaded service loses)."""
+    reference = next(o for o in torch_choice.outlooks if o.dtype == torch_choice.dtype and o.engine == "torch")
+    if llama is None:
+        reason = f"torch: {torch_choice.reason}; llama.cpp not considered: {missing or 'no profile of it here'}"
+        return torch_choice.model_copy(update={"reason": reason})
+    other = outlook(llama, config)
+    outlooks = [*torch_choice.outlooks, other]
+    verdict = _llamacpp_verdict(other, reference, config)
+    chosen = other if verdict is None else reference
+    figures = f"{other.served}: {_figures(other)}, agreement with the float target {other.agreement or 0:.1%}"
+    if verdict is None:
+        alone, loaded = _ratios(other, reference)
+        reason = (
+            f"llamacpp: {figures} — {alone:.2f}× torch {reference.dtype} alone and {loaded:.2f}× under load "
+            f"({_figures(reference)}), above the quality floor ({config.quantization.min_agreement:.0%}); exact to "
+            "its own weights: speculation returns their plain decoding's tokens, which are llama.cpp's, not the "
+            "float target's"
+        )
+    else:
+        reason = f"torch: {torch_choice.reason}; {figures} not chosen: {verdict}"
+    return DtypeChoice(dtype=chosen.dtype, engine=chosen.engine, source="measured", reason=reason, outlooks=outlooks)
+
+
+def _llamacpp_verdict(llama: DtypeOutlook, torch: DtypeOutlook, config: PolicyConfig) -> str | None:
+    """Why the llama.cpp profile is not served (None: it is)."""
+    if llama.agreement is None:
+        return "its quality against the float target was not measured (profile it again)"
+    if not config.quantization.meets_floor(llama.agreement):
+        return f"under the quality floor ({config.quantization.min_agreement:.0%})"
+    alone, loaded = _ratios(llama, torch)
+    if alone < MIN_GAIN:
+        return f"{alone:.2f}× torch {torch.dtype} served alone, short of the {MIN_GAIN:.2f}× a switch needs"
+    if loaded < 1 / MIN_GAIN:
+        return (
+            f"{alone:.2f}× torch {torch.dtype} served alone but {loaded:.2f}× under load (batch {llama.batch}, "
+            "prefill included): it would lose where the service is busiest"
+        )
+    return None
+
+
+def _ratios(llama: DtypeOutlook, torch: DtypeOutlook) -> tuple[float, float]:
+    """llama.cpp over torch: a lone request, and a loaded service."""
+    return llama.best_tokens_per_s / torch.best_tokens_per_s, llama.loaded_tokens_per_s / torch.loaded_tokens_per_s
 
 
 def _reason(chosen: DtypeOutlook, outlooks: list[DtypeOutlook], missing: str | None) -> str:
@@ -146,5 +228,6 @@ def _reason(chosen: DtypeOutlook, outlooks: list[DtypeOutlook], missing: str | N
 def _figures(o: DtypeOutlook) -> str:
     return (
         f"{o.best_tokens_per_s:.1f} tok/s for a lone request (plain {o.plain_tokens_per_s:.1f}, "
-        f"step {o.step_ms:.1f} ms), {o.batch_tokens_per_s:.0f} tok/s plain at batch {o.batch}"
+        f"step {o.step_ms:.1f} ms), {o.batch_tokens_per_s:.0f} tok/s plain at batch {o.batch}, "
+        f"{o.loaded_tokens_per_s:.0f} tok/s there with prefill"
     )

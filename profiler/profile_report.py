@@ -13,9 +13,10 @@ COMPUTE_BOUND = 0.5  # elasticity at which the report calls a batch compute-boun
 def render_profile(profile: Profile, threshold: float = COMPUTE_BOUND) -> str:
     m = profile.model
     lines = [
-        f"specroute profile — {m.name} ({m.dtype}, {m.device}, {m.threads} threads) on {profile.machine.get('cpu')}, "
+        f"specroute profile — {m.name} ({m.served}, {m.device}, {m.threads} threads) on {profile.machine.get('cpu')}, "
         f"measured {profile.created:%Y-%m-%d %H:%M} UTC",
         f"acceptance: {profile.acceptance_source}",
+        *_served_quality(profile),
         "",
         *_target_table(profile),
         *_context_table(profile),
@@ -39,6 +40,18 @@ def render_profile(profile: Profile, threshold: float = COMPUTE_BOUND) -> str:
     if profile.quantized is not None:
         lines += ["", *_quantized(profile)]
     return "\n".join(lines)
+
+
+def _served_quality(profile: Profile) -> list[str]:
+    """llama.cpp's weights against the float target (torch's target is the reference: no line)."""
+    q = profile.model.quality
+    if q is None:
+        return []
+    ppl = "" if q.perplexity_delta is None else f", perplexity {q.perplexity_delta:+.2%}"
+    greedy = "" if q.greedy_match is None else f", identical first greedy tokens on {q.greedy_match:.0%} of prompts"
+    return [
+        f"{profile.model.served} against the float target: agreement {q.agreement:.1%} (teacher-forced){ppl}{greedy}"
+    ]
 
 
 def _quantized(profile: Profile) -> list[str]:

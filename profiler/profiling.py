@@ -21,7 +21,7 @@ from contextlib import contextmanager
 from datetime import UTC, datetime
 from importlib.metadata import version
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -30,9 +30,10 @@ from tqdm import tqdm
 
 from backends.embedded import EMBEDDED_NAME, specroute_home
 from backends.engines import gguf_file
-from backends.engines.llamacpp import score_sequence
+from backends.engines.llamacpp import kv_bytes_per_token as llamacpp_kv_bytes
+from backends.engines.llamacpp import measure_llamacpp_curve, measure_llamacpp_prefill, score_sequence
 from backends.generation import GenerationRequest, GenerationResult
-from backends.kv import PagedCache, kv_bytes_per_token
+from backends.kv import PagedCache, kv_bytes_per_token, kv_values_per_token
 from backends.models import LoadedModel, load_model
 from backends.plain import PlainEngine
 from backends.quantized import (
@@ -54,7 +55,7 @@ from backends.speculative.factory import build_drafter
 from backends.speculative.stats import SpeculationStats
 from backends.training.prompts import TrainingPrompt, training_prompts
 from policies.drafters import SERVED_KINDS, DrafterConfig, DrafterKind, spec
-from policies.engines import GgufWeights
+from policies.engines import DEFAULT_QUANTIZED_WEIGHTS, ENGINES, EngineName, GgufWeights, default_drafters, gguf_method
 from policies.profile import (
     AcceptanceProfile,
     AcceptanceSample,
@@ -91,6 +92,7 @@ TRAINING_DRAW_SEED = 0  # which training-set prompts the profile measures
 PROBE_REPEATS = 1
 PROBE_PREFILL = [64]
 PROBE_PROMPTS = 2  # per category, where a probe must measure acceptance (nothing ships for the model)
+PROBE_QUALITY_PROMPTS = 1  # per category: a llama.cpp probe's quality against the float target (the full run: all)
 
 
 class ProfileConfig(ModelSettings):
@@ -137,6 +139,15 @@ class ProfileConfig(ModelSettings):
         description="quantization methods to measure, the served one first ('auto': the weight-only method the "
         "weights fit); empty: none",
     )
+    engine: EngineName = Field("torch", description=f"what runs the target's passes ({', '.join(ENGINES)})")
+    gguf_weights: GgufWeights = Field(
+        "file", description="engine llamacpp: the weights the plain and speculative backends serve"
+    )
+    gguf_quantized: list[GgufWeights] = Field(
+        default_factory=lambda: [DEFAULT_QUANTIZED_WEIGHTS],
+        description="engine llamacpp: the weight types measured for the quantized backend, the served one first "
+        "(`quantization` names torch's methods); empty: none",
+    )
     quality_tokens: int = Field(32, ge=1, le=512, description="greedy tokens per prompt the quantized quality reads")
     quality_prompts: int | None = Field(
         None, ge=1, description="prompts per category of the held-out half the quantized quality reads (default: all)"
@@ -163,7 +174,20 @@ class ProfileConfig(ModelSettings):
                 raise ValueError(f"{name} must be positive and strictly increasing (got {values})")
         if self.acceptance_k > self.max_width - 1:
             raise ValueError(f"acceptance_k ({self.acceptance_k}) needs max_width ≥ {self.acceptance_k + 1}")
+        self.loop()  # the engine and weights go together (LoopSettings says how)
         return self
+
+    def loop(self) -> LoopSettings:
+        """The step loop the profiled backends run: the engine and the weights it serves."""
+        return LoopSettings(engine=self.engine, gguf_weights=self.gguf_weights)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _engine_drafters(cls, data: Any) -> Any:
+        # Unless drafters are named, the engine's own default (policies.engines.default_drafters).
+        if isinstance(data, dict) and "drafters" not in data and data.get("engine") not in (None, "torch"):
+            return {**data, "drafters": default_drafters(data["engine"])}
+        return data
 
 
 def quick_config(config: ProfileConfig) -> ProfileConfig:
@@ -183,6 +207,8 @@ def quick_config(config: ProfileConfig) -> ProfileConfig:
             "context_budget_s": 0.0,
             "prefill_lengths": PROBE_PREFILL,
             "quantization": [],
+            "gguf_quantized": [],
+            "quality_prompts": PROBE_QUALITY_PROMPTS,
         }
     )
 
@@ -195,9 +221,14 @@ def batches_up_to(largest: int) -> list[int]:
     return batches
 
 
-def default_profile_path(model: str = "embedded", dtype: str = "float32", device: str = "cpu") -> Path:
-    """One profile per model, dtype and device under SPECROUTE_HOME (default ~/.cache/specroute)."""
+def default_profile_path(
+    model: str = "embedded", dtype: str = "float32", device: str = "cpu", loop: LoopSettings | None = None
+) -> Path:
+    """One profile per model, dtype (on llama.cpp: the weights served) and device under
+    SPECROUTE_HOME (default ~/.cache/specroute)."""
     slug = re.sub(r"[^A-Za-z0-9._-]+", "_", model.strip("/")).strip("_") or "model"
+    if loop is not None and loop.engine == "llamacpp":
+        dtype = f"llamacpp-{loop.gguf_weights}"
     return specroute_home() / "profiles" / f"{slug}-{dtype}-{device}.json"
 
 
@@ -210,6 +241,7 @@ def run_profile(
     """`clock`: what the context curve's time budget is read on (a profiler that is paused while a
     service answers requests passes one that stands still while it is paused)."""
     loaded = load_model(config.model, dtype=config.dtype, device=config.device, threads=config.threads)
+    loop = config.loop()
     seed = usable_seed(loaded, config, log)
     if seed is None and config.probe:
         config = _probe_acceptance(config, log)
@@ -217,12 +249,14 @@ def run_profile(
     # A structured drafter's pass (lookahead's block) may be wider than any k asks for: measure it too.
     widths = list(range(1, max([config.max_width, *(d.widest_block for d in built.values())]) + 1))
     target = measure_curve(loaded, config, widths, "target t(b, n)", progress)
-    context = measure_context(loaded, config, widths, progress, clock) if config.context_budget_s else None
-    prefill = measure_prefill(loaded, config.prefill_lengths, progress)
-    costs = seeded_step_costs(loaded, target, context=context)
+    # The context curve times torch's paged attention; on llama.cpp passes read as flat in context.
+    timed_context = config.context_budget_s and loop.engine == "torch"
+    context = measure_context(loaded, config, widths, progress, clock) if timed_context else None
+    prefill = measure_prefill(loaded, config, progress)
+    costs = seeded_step_costs(loaded, target, loop, context=context)
     drafters, acceptance, samples, shipped, maps = [], [], [], [], []
     for kind, drafter in built.items():
-        engine = SpeculativeEngine(loaded, drafter, k=config.acceptance_k, costs=costs)
+        engine = SpeculativeEngine(loaded, drafter, k=config.acceptance_k, costs=costs, settings=loop)
         from_seed = seed if seed is not None and seed_fits(seed, config, kind, drafter.name) else None
         # A probe leaves the timed run to the full profile: a draft model's run is its slowest part.
         ran = from_seed is None or not config.probe
@@ -237,18 +271,22 @@ def run_profile(
         if ran:  # the judged positions of those runs (fixed k: every position up to the first rejection)
             maps.append(engine.acceptance_map())
         drafters.append(drafter_profile(loaded, drafter, kind, config, in_run, progress))
-    methods = list(dict.fromkeys(resolve_method(loaded, choice) for choice in config.quantization))
-    qualities = [_shipped_quality(seed, config, method) for method in methods]
     # read once for every method
     reference = functools.cache(lambda: quality_reference(loaded, config.quality_prompts, config.quality_tokens))
-    quantized = [
-        measure_quantized(loaded, config, method, progress, quality, reference)
-        for method, quality in zip(methods, qualities, strict=True)
-    ]
+    if loop.engine == "llamacpp":
+        qualities: list[ShippedQuality | None] = []
+        quantized = [measure_gguf_quantized(loaded, config, w, progress, reference) for w in config.gguf_quantized]
+    else:
+        methods = list(dict.fromkeys(resolve_method(loaded, choice) for choice in config.quantization))
+        qualities = [_shipped_quality(seed, config, method) for method in methods]
+        quantized = [
+            measure_quantized(loaded, config, method, progress, quality, reference)
+            for method, quality in zip(methods, qualities, strict=True)
+        ]
     return Profile(
         created=datetime.now(UTC),
         machine=machine_info().model_dump(),
-        model=_model_summary(loaded),
+        model=_model_summary(loaded, loop, reference),
         libraries={name: version(name) for name in ("torch", "transformers", "scikit-learn", "numpy")},
         settings=config.model_dump(mode="json"),
         target=target,
@@ -264,7 +302,7 @@ def run_profile(
         acceptance_maps=maps,
         quantized=quantized[0] if quantized else None,
         quantized_others=quantized[1:],
-        acceptance_source=_source(seed, shipped, [q.method for q in qualities if q is not None]),
+        acceptance_source=_source(seed, shipped, [q.method for q in qualities if q is not None], loop.engine),
         provisional=config.probe,
     )
 
@@ -283,14 +321,17 @@ def _shipped_quality(seed: AcceptanceSeed | None, config: ProfileConfig, method:
     return seed.quality_of(method)
 
 
-def _source(seed: AcceptanceSeed | None, shipped: list[str], quality: list[str]) -> str:
+def _source(seed: AcceptanceSeed | None, shipped: list[str], quality: list[str], engine: str = "torch") -> str:
     if seed is None or not (shipped or quality):
         return "measured"
     parts = ([f"acceptance of {', '.join(shipped)}"] if shipped else []) + (
         [f"{', '.join(quality)} quality"] if quality else []
     )
     where = seed.machine.get("cpu") or "another machine"
-    return f"shipped with specroute: {' and '.join(parts)}, measured {seed.created:%Y-%m-%d} on {where}"
+    source = f"shipped with specroute: {' and '.join(parts)}, measured {seed.created:%Y-%m-%d} on {where}"
+    if engine != "torch":
+        source += f" on the {seed.dtype} torch target, standing in for {engine}'s own until the full profile"
+    return source
 
 
 @contextmanager
@@ -316,6 +357,15 @@ def usable_seed(loaded: LoadedModel, config: ProfileConfig, log: Callable[[str],
     None means measure. `acceptance: shipped` turns a misfit into an error."""
     if config.acceptance == "measure":
         return None
+    if config.engine != "torch":  # the seed holds the float target's tokens; this engine's are its own
+        if config.acceptance == "shipped":
+            raise ProfileError(f"acceptance ships for the torch engine's float target, not for {config.engine}")
+        if not config.probe:
+            log(f"measuring acceptance on {config.engine}: its weights are a numerical model of their own")
+            return None
+        # A probe starts from the float target's (its tokens agree with these weights' ~97 % of the time
+        # here); the full profile measures this engine's own. `_source` says which the profile holds.
+        log(f"the probe starts from the float target's shipped acceptance; the full profile measures {config.engine}'s")
     path = seed_path(loaded.info.name, dtype=loaded.info.dtype)
     seed = AcceptanceSeed.load(path) if path.is_file() else None
     problem = _seed_problem(seed, loaded, config)
@@ -536,20 +586,49 @@ def measure_gguf_quality(ref: Reference, loaded: LoadedModel, weights: GgufWeigh
     return compare_quality(ref, answers, lambda ids: score_sequence(path, ids, torch.get_num_threads()))
 
 
+def measure_gguf_quantized(
+    loaded: LoadedModel,
+    config: ProfileConfig,
+    weights: GgufWeights,
+    progress: bool,
+    reference: Callable[[], Reference],
+) -> QuantizedProfile:
+    """The llama.cpp engine's quantized backend: the file requantized to `weights`, its 1-token pass
+    timed like the target's, its quality against the float target measured as the served
+    weights' is (`measure_gguf_quality`)."""
+    curve = measure_curve(loaded, config, [1], f"{weights} t(b, 1)", progress, weights)
+    with all_cores():
+        quality = measure_gguf_quality(reference(), loaded, weights)
+    return QuantizedProfile(
+        method=gguf_method(weights),
+        curve=curve,
+        weight_bytes=gguf_file(loaded, weights).stat().st_size,
+        agreement=quality.agreement,
+        perplexity_delta=quality.perplexity_delta,
+        greedy_match=quality.greedy_match,
+    )
+
+
 def _request(prompt: WorkloadPrompt, max_tokens: int) -> GenerationRequest:
     return GenerationRequest(messages=prompt.messages, max_tokens=max_tokens)
 
 
 def measure_curve(
-    loaded: LoadedModel, config: ProfileConfig, widths: Sequence[int], label: str, progress: bool
+    loaded: LoadedModel,
+    config: ProfileConfig,
+    widths: Sequence[int],
+    label: str,
+    progress: bool,
+    weights: GgufWeights | None = None,
 ) -> CostCurve:
     """Fastest pass time for every batch × width, `context_tokens` cached per sequence, through
     passes shaped as the step loop runs them in this dtype (width-invariant in reduced precision at
     the batches the loop tiles: there every width up to the tile costs one tile-wide pass). The
     batch grid is swept `curve_sweeps` times, up then down, the `repeats` tries shared out among
     the sweeps: on a shared machine a slow spell of a few seconds can outlast every try of one
-    batch in a row (seen: a row 30% slow), but it rarely covers the same batch minutes apart."""
-    context, loop, dtype = config.context_tokens, LoopSettings(), loaded.info.dtype
+    batch in a row (seen: a row 30% slow), but it rarely covers the same batch minutes apart. On
+    the llama.cpp engine: its passes over the weights served (`weights`, default the config's)."""
+    context, loop, dtype = config.context_tokens, config.loop(), loaded.info.dtype
     tile = loop.tile(dtype)
     if tile is not None and max(widths) > tile:
         raise ProfileError(
@@ -558,7 +637,13 @@ def measure_curve(
     repeats = -(-config.repeats // config.curve_sweeps)
     best = {b: dict.fromkeys(widths, float("inf")) for b in config.batches}
     order = [b for sweep in range(config.curve_sweeps) for b in config.batches[:: -1 if sweep % 2 else 1]]
-    for b in tqdm(order, desc=label, unit="batch", disable=not progress):
+    if config.engine == "llamacpp":  # each sweep in one llama.cpp context, its rows filled once
+        gguf, threads = gguf_file(loaded, weights or config.gguf_weights), torch.get_num_threads()
+        sweeps = [order[i : i + len(config.batches)] for i in range(0, len(order), len(config.batches))]
+        for sweep in tqdm(sweeps, desc=label, unit="sweep", disable=not progress):
+            for b, times in measure_llamacpp_curve(gguf, sweep, widths, threads, context, repeats).items():
+                best[b] = {w: min(best[b][w], times[w]) for w in widths}
+    for b in tqdm([] if config.engine == "llamacpp" else order, desc=label, unit="batch", disable=not progress):
         times = measure_step_times(loaded.model, b, widths, context, repeats, config.enough_s, tile, loop.tile_max_rows)
         best[b] = {w: min(best[b][w], times[w]) for w in widths}
     rows = [list(best[b].values()) for b in config.batches]
@@ -609,10 +694,21 @@ def measure_context(
         return None
 
 
+def measure_prefill(loaded: LoadedModel, config: ProfileConfig, progress: bool) -> CostCurve:
+    """Best-of-3 prefill seconds of one prompt of each of the config's lengths (best of 2 for long
+    ones): the time to first token, on the engine the config names."""
+    lengths = config.prefill_lengths
+    if config.engine == "llamacpp":
+        path = gguf_file(loaded, config.gguf_weights)
+        bar = tqdm(lengths, desc="prefill", unit="length", disable=not progress)
+        seconds = [measure_llamacpp_prefill(path, n, torch.get_num_threads(), PREFILL_REPEATS) for n in bar]
+        return CostCurve(batches=[1], widths=list(lengths), seconds=[seconds])
+    return measure_torch_prefill(loaded, lengths, progress)
+
+
 @torch.inference_mode()
-def measure_prefill(loaded: LoadedModel, lengths: Sequence[int], progress: bool) -> CostCurve:
-    """Best-of-3 prefill seconds of one prompt of each length (best of 2 for long ones): the time to
-    first token."""
+def measure_torch_prefill(loaded: LoadedModel, lengths: Sequence[int], progress: bool) -> CostCurve:
+    """Prefill on the torch engine (see `measure_prefill`)."""
     model = loaded.model
     vocab = model.get_output_embeddings().weight.shape[0]
     generator = torch.Generator().manual_seed(0)
@@ -767,9 +863,11 @@ def added_weight_bytes(drafter: Drafter, target: torch.nn.Module) -> int:
     return total
 
 
-def _model_summary(loaded: LoadedModel) -> ModelSummary:
+def _model_summary(loaded: LoadedModel, loop: LoopSettings, reference: Callable[[], Reference]) -> ModelSummary:
+    """The target as profiled; on llama.cpp with its weights' quality against the float target
+    (`reference`), which the policy's floor admits or refuses."""
     info = loaded.info
-    return ModelSummary(
+    summary = ModelSummary(
         name=info.name,
         dtype=info.dtype,
         device=info.device,
@@ -778,7 +876,26 @@ def _model_summary(loaded: LoadedModel) -> ModelSummary:
         threads=torch.get_num_threads(),
         fingerprint=loaded.fingerprint,
         kv_bytes_per_token=kv_bytes_per_token(loaded.model),
-        tile_width=LoopSettings().tile(info.dtype),
-        tile_max_rows=LoopSettings().tile_max_rows,
+        tile_width=loop.tile(info.dtype),
+        tile_max_rows=loop.tile_max_rows,
         linear_kernels=info.linear_kernels,
+    )
+    if loop.engine != "llamacpp":
+        return summary
+    with all_cores():
+        quality = measure_gguf_quality(reference(), loaded, loop.gguf_weights)
+    return summary.model_copy(
+        update={
+            "engine": loop.engine,
+            "gguf_weights": loop.gguf_weights,
+            "weight_bytes": gguf_file(loaded, loop.gguf_weights).stat().st_size,
+            "kv_bytes_per_token": llamacpp_kv_bytes(kv_values_per_token(loaded.model)),
+            "linear_kernels": None,
+            "quality": ShippedQuality(
+                method=gguf_method(loop.gguf_weights),
+                agreement=quality.agreement,
+                perplexity_delta=quality.perplexity_delta,
+                greedy_match=quality.greedy_match,
+            ),
+        }
     )

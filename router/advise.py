@@ -54,15 +54,12 @@ class BackendSummary(BaseModel):
 def backend_summaries(profile: Profile) -> list[BackendSummary]:
     m, q = profile.model, profile.quantized
     drafters = {d.name: d.weight_bytes for d in profile.drafters if d.weight_bytes}
+    # llama.cpp's weights are measured against the float target as a quantized backend's are
+    quality = {} if m.quality is None else m.quality.model_dump(exclude={"method"})
+    target = {"weights": m.served, "weight_bytes": m.weight_bytes, "linear_kernels": m.linear_kernels, **quality}
     rows = [
-        BackendSummary(
-            backend="speculative",
-            weights=m.dtype,
-            weight_bytes=m.weight_bytes,
-            drafter_bytes=drafters,
-            linear_kernels=m.linear_kernels,
-        ),
-        BackendSummary(backend="plain", weights=m.dtype, weight_bytes=m.weight_bytes, linear_kernels=m.linear_kernels),
+        BackendSummary(backend="speculative", drafter_bytes=drafters, **target),
+        BackendSummary(backend="plain", **target),
     ]
     if q is not None:
         rows.append(

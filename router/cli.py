@@ -12,8 +12,15 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
-from policies.drafters import BENCHED_KINDS, KINDS, SERVED_KINDS, TRAINED_KINDS, DrafterConfig, option_kinds
-from policies.engines import ENGINE_SUMMARIES, ENGINES, GGUF_WEIGHTS
+from policies.drafters import BENCHED_KINDS, KINDS, TRAINED_KINDS, DrafterConfig, option_kinds
+from policies.engines import (
+    DEFAULT_QUANTIZED_WEIGHTS,
+    ENGINE_CHOICES,
+    ENGINE_SUMMARIES,
+    ENGINES,
+    GGUF_WEIGHTS,
+    default_drafters,
+)
 from policies.errors import UserError
 from policies.quantization import QUANT_CHOICES, UNCALIBRATED
 
@@ -174,9 +181,20 @@ def _drafter_options(args: argparse.Namespace, kind: str | None = None) -> Draft
     return DrafterConfig(**options, **({"kind": kind} if kind is not None else {}))
 
 
-def _add_drafters_flag(parser: argparse.ArgumentParser, default: tuple[str, ...], what: str) -> None:
-    """--drafters: a comma-separated list of registry kinds, defaulting to one of its sets."""
+def _add_drafters_flag(parser: argparse.ArgumentParser, default: tuple[str, ...] | None, what: str) -> None:
+    """--drafters: a comma-separated list of registry kinds, defaulting to one of its sets (None:
+    the engine's, `default_drafters`)."""
+    if default is None:
+        shown = "; ".join(f"{e}: {','.join(default_drafters(e))}" for e in ENGINES)
+        help = f"comma-separated {what} ({', '.join(KINDS)}; default {shown})"
+        parser.add_argument("--drafters", default=None, help=help)
+        return
     parser.add_argument("--drafters", default=",".join(default), help=f"comma-separated {what} ({', '.join(KINDS)})")
+
+
+def _drafters(args: argparse.Namespace) -> list[str]:
+    """--drafters as given, else the engine's default."""
+    return _str_list(args.drafters) if args.drafters else list(default_drafters(args.engine))
 
 
 def _add_profile_args(parser: argparse.ArgumentParser) -> None:
@@ -192,7 +210,14 @@ def _add_profile_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--context-budget", type=float, default=150.0, help="seconds the context curve may take (0: not measured)"
     )
-    _add_drafters_flag(parser, SERVED_KINDS, "drafters to profile")
+    _add_drafters_flag(parser, None, "drafters to profile")
+    _add_engine_flag(parser)
+    parser.add_argument(
+        "--quantized-weights",
+        default=DEFAULT_QUANTIZED_WEIGHTS,
+        help=f"with --engine llamacpp: comma-separated weight types measured for the quantized backend, the served "
+        f"one first ({', '.join(w for w in GGUF_WEIGHTS if w != 'file')}; none: no quantized backend)",
+    )
     parser.add_argument("--acceptance-k", type=int, default=8, help="k each drafter runs at to measure acceptance")
     parser.add_argument("--max-tokens", type=int, default=64, help="tokens per prompt in the acceptance runs")
     parser.add_argument("--categories", help="comma-separated categories (default: all)")
@@ -297,10 +322,12 @@ def _add_model_args(parser: argparse.ArgumentParser, dtype: str = "float32") -> 
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
 
 
-def _add_engine_flag(parser: argparse.ArgumentParser) -> None:
+def _add_engine_flag(parser: argparse.ArgumentParser, choices: tuple[str, ...] = ENGINES) -> None:
     summaries = "; ".join(f"{name}: {summary}" for name, summary in ENGINE_SUMMARIES.items())
+    if "auto" in choices:
+        summaries += "; auto: the one this machine's profiles predict faster whose weights meet the quality floor"
     parser.add_argument(
-        "--engine", default="torch", choices=ENGINES, help=f"what runs the target's passes ({summaries})"
+        "--engine", default="torch", choices=choices, help=f"what runs the target's passes ({summaries})"
     )
     parser.add_argument(
         "--gguf-weights",
@@ -407,8 +434,16 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--profile", help="profile JSON (default: SPECROUTE_HOME/profiles/…; measured if missing)")
     parser.add_argument("--policy", help="policy YAML (default: the built-in policy, as in deploy/policy.yaml)")
     parser.add_argument("--max-batch", type=int, default=32, help="most requests one backend batch takes")
-    _add_drafters_flag(parser, SERVED_KINDS, "drafters the speculative backend loads")
+    _add_drafters_flag(parser, None, "drafters the speculative backend loads")
     parser.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (default: $SPECROUTE_API_KEY)")
+    _add_engine_flag(parser, ENGINE_CHOICES)
+    parser.add_argument(
+        "--quantized-weights",
+        default=DEFAULT_QUANTIZED_WEIGHTS,
+        choices=[w for w in GGUF_WEIGHTS if w != "file"],
+        help="with --engine llamacpp: the quantized backend serves the .gguf file requantized to this type (its "
+        "quality against the float target measured by the profile and held to the policy's floor)",
+    )
     parser.add_argument(
         "--quantization",
         default="auto",
@@ -515,8 +550,12 @@ def run_serve(args: argparse.Namespace) -> int:
         device=args.device,
         threads=args.threads or 1,  # three replicas share the cores: one torch thread each unless told
         max_batch=args.max_batch,
-        drafters=_str_list(args.drafters),
         quantization=args.quantization,
+        engine=args.engine,
+        gguf_weights=args.gguf_weights,
+        quantized_weights=args.quantized_weights,
+        # unnamed: the engine's default drafters, once an `auto` engine is decided (ServiceSettings.with_engine)
+        **({"drafters": _str_list(args.drafters)} if args.drafters else {}),
     )
     settings = ServiceSettings(backend=backend, profile=args.profile, api_key=args.api_key)
     if not 1 <= args.port <= 65535:
@@ -702,8 +741,11 @@ def run_profile(args: argparse.Namespace) -> int:
         prefill_lengths=_int_list(args.prefill_lengths, "--prefill-lengths"),
         contexts=_int_list(args.contexts, "--contexts"),
         context_budget_s=args.context_budget,
-        drafters=_str_list(args.drafters),
+        drafters=_drafters(args),
         drafter=_drafter_options(args),
+        engine=args.engine,
+        gguf_weights=args.gguf_weights,
+        gguf_quantized=[] if args.quantized_weights == "none" else _str_list(args.quantized_weights),
         acceptance_k=args.acceptance_k,
         max_tokens=args.max_tokens,
         categories=_str_list(args.categories) if args.categories else None,
@@ -718,7 +760,7 @@ def run_profile(args: argparse.Namespace) -> int:
         )
     _quiet_model_loading()
     profile = run_profile(config, log=lambda line: print(line, file=sys.stderr))
-    path = Path(args.out) if args.out else default_profile_path(args.model, args.dtype, args.device)
+    path = Path(args.out) if args.out else default_profile_path(args.model, args.dtype, args.device, config.loop())
     profile.save(path)
     print(profile.model_dump_json(indent=2) if args.json else render_profile(profile))
     if not args.json:

@@ -191,9 +191,9 @@ class RouterCore:
         try:
             profile = Profile.load(path).serving(quantization)
             now, new = self.profile.model, profile.model
-            if (new.name, new.dtype) != (now.name, now.dtype):
+            if (new.name, new.served) != (now.name, now.served):
                 raise ProfileError(
-                    f"{path} profiles {new.name} in {new.dtype}, the service runs {now.name} in {now.dtype}"
+                    f"{path} profiles {new.name} in {new.served}, the service runs {now.name} in {now.served}"
                 )
         except ProfileError as exc:
             self.profile_error = str(exc)
@@ -269,7 +269,8 @@ class RouterCore:
     def weights(self, backend: str) -> str:
         """What a backend's target computes in: the served dtype, or the quantized backend's method."""
         if backend != "quantized":
-            return self.dtype_choice.dtype
+            engine = self.profile.model
+            return engine.served if engine.engine != "torch" else self.dtype_choice.dtype
         quantized = self.profile.quantized
         return quantized.method if quantized is not None else "quantized (method not profiled yet)"
 
@@ -421,7 +422,8 @@ class RouterCore:
             "policy": self.policy.model_dump(mode="json"),
             "policy_error": self.policy_error,
             "served_drafters": self.drafters,
-            "profile": f"{m.name} {m.dtype}, measured {self.profile.created:%Y-%m-%d %H:%M} UTC",
+            "profile": f"{m.name} {m.served}, measured {self.profile.created:%Y-%m-%d %H:%M} UTC",
+            "engine": m.engine,
             "profile_provisional": self.provisional_note(),
             "dtype": self.dtype_choice.dtype,
             "dtype_reason": self.dtype_choice.reason,

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from backends.engines.llamacpp import llama_unavailable
 from backends.errors import UserError
 from policies.profile import Profile, ProfileError
 from policies.serving_dtype import DEFAULT_DTYPE, SERVED_DTYPES
@@ -58,8 +59,15 @@ def ensure_profiles(settings: ServiceSettings, log: Callable[[str], None] = prin
     runs bfloat16 natively — bfloat16, so that `resolve_dtype` can pick the faster exact one; else
     the one dtype asked for."""
     b = settings.backend
+    if b.engine == "auto" and not settings.profile:  # both engines' profiles, for `resolve_dtype` to compare
+        paths = ensure_profiles(settings.with_engine("torch"), log, probe)
+        why = llama_unavailable()
+        if why is None:
+            return [*paths, *ensure_profiles(settings.with_engine("llamacpp"), log, probe)]
+        log(f"llama.cpp not profiled: {why}")
+        return paths
     paths = [ensure_profile(settings, log, probe=probe)]
-    if settings.profile or b.dtype != "auto":
+    if settings.profile or b.dtype != "auto" or b.engine != "torch":  # llama.cpp's passes run no torch dtype
         return paths
     for dtype in SERVED_DTYPES:
         if dtype == DEFAULT_DTYPE:
@@ -114,7 +122,10 @@ def profile_config(settings: ServiceSettings, quantized_from: Path | None = None
         drafters=b.drafters,
         drafter=b.drafter,
         batches=batches_up_to(b.max_batch),  # the largest batch a replica will run
-        quantization=[] if quantized_from else [b.quantization],
+        quantization=[] if quantized_from or b.engine != "torch" else [b.quantization],
+        engine=b.engine,
+        gguf_weights=b.gguf_weights,
+        gguf_quantized=[] if quantized_from or b.engine != "llamacpp" else [b.quantized_weights],
     )
 
 
@@ -142,8 +153,10 @@ def completion_jobs(settings: ServiceSettings, paths: list[Path]) -> list[Profil
     for i, path in enumerate(paths):
         profile = Profile.load(path)
         if profile.provisional:
-            source = paths[0] if i else None
-            config = profile_config(settings.with_dtype(profile.model.dtype), source)
+            engine = profile.model.engine
+            # a reduced-precision torch profile takes the float32 one's quantized backend (it runs float32 kernels)
+            source = paths[0] if i and engine == "torch" else None
+            config = profile_config(settings.with_engine(engine).with_dtype(profile.model.dtype), source)
             jobs.append(ProfileJob(config, path, source))
     return jobs
 
@@ -402,7 +415,7 @@ def serve_forever(settings: ServiceSettings, host: str, port: int, policy_file: 
     paths = ensure_profiles(settings, probe=True)
     settings = resolve_dtype(settings, config)
     print(f"serving in {settings.backend.dtype}: {settings.dtype_choice.reason}", flush=True)  # type: ignore[union-attr]
-    check_profile(settings)
+    check_profile(settings, config)
     jobs = completion_jobs(settings, paths)
     temp_dir = start_ray()
     stop = _stop_on_signals()  # after ray.init, which installs handlers of its own

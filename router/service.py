@@ -23,18 +23,20 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from backends.deployments import BackendSettings, PlainBackend, QuantizedBackend, SpeculativeBackend
 from backends.embedded import ensure_model_here
+from backends.engines.llamacpp import llama_unavailable
 from backends.loop_metrics import LoopSnapshot
 from backends.models import load_tokenizer
 from backends.streaming import StreamEvent
 from policies.config import PolicyConfig, default_policy, load_policy
+from policies.engines import EngineName, default_drafters, gguf_method
 from policies.profile import Profile, ProfileError
-from policies.serving_dtype import DtypeChoice
+from policies.serving_dtype import DEFAULT_DTYPE, DtypeChoice, choose_engine
 from profiler.profiling import default_profile_path
 from profiler.workloads import quantization_split
 
@@ -67,26 +69,22 @@ class ServiceSettings(BaseModel):
         None, description="set by build_app: the profile itself, passed to replicas on any node (not for config files)"
     )
 
-    @model_validator(mode="after")
-    def _engine_served(self) -> ServiceSettings:
-        # The policy routes by the profile's torch cost curves and quality, and the quantized backend
-        # quantizes torch weights: a llama.cpp service needs its engine profiled, which is not built yet.
-        if self.backend.engine != "torch":
-            raise ValueError(
-                f"backend.engine {self.backend.engine!r}: the service runs the torch engine for now (its profile, "
-                "policy and quantized backend are measured on torch); the llama.cpp engine runs in `specroute "
-                "generate`, `bench spec` and `bench invariance` with --engine llamacpp"
-            )
-        return self
-
     def profile_path(self) -> Path:
         b = self.backend
-        if not self.profile and b.dtype == "auto":
-            raise ProfileError("the dtype is not decided yet (resolve_dtype): no profile path for dtype auto")
-        return Path(self.profile) if self.profile else default_profile_path(b.model, b.dtype, b.device)
+        if not self.profile and (b.engine == "auto" or (b.engine == "torch" and b.dtype == "auto")):
+            raise ProfileError("the engine and dtype are not decided yet (resolve_dtype): no profile path for auto")
+        return Path(self.profile) if self.profile else default_profile_path(b.model, b.dtype, b.device, b)
 
     def with_dtype(self, dtype: str) -> ServiceSettings:
         return self.model_copy(update={"backend": self.backend.model_copy(update={"dtype": dtype})})
+
+    def with_engine(self, engine: EngineName) -> ServiceSettings:
+        """These settings on `engine`, with its default drafters unless the settings named some."""
+        b = self.backend
+        update: dict[str, Any] = {"engine": engine}
+        if "drafters" not in b.model_fields_set:
+            update["drafters"] = default_drafters(engine)
+        return self.model_copy(update={"backend": b.model_copy(update=update)})
 
 
 def resolve_dtype(settings: ServiceSettings, policy: PolicyConfig | None = None) -> ServiceSettings:
@@ -95,8 +93,49 @@ def resolve_dtype(settings: ServiceSettings, policy: PolicyConfig | None = None)
         return settings  # decided before the app was built
     b = settings.backend
     policy = policy or (load_policy(settings.policy) if settings.policy else default_policy())
+    if b.engine == "auto":
+        return _resolve_engine(settings, policy)
+    if b.engine == "llamacpp":  # its passes run the GGUF weights; the torch model only drafts and tokenizes
+        return settings.with_dtype(DEFAULT_DTYPE).model_copy(update={"dtype_choice": llamacpp_dtype(b)})
     choice = decide_dtype(b.model, b.dtype, b.device, settings.profile, policy)
     return settings.with_dtype(choice.dtype).model_copy(update={"dtype_choice": choice})
+
+
+def _resolve_engine(settings: ServiceSettings, policy: PolicyConfig) -> ServiceSettings:
+    """Engine auto: a given profile's engine, else torch's dtype choice against the llama.cpp
+    engine's profile (`policies.serving_dtype.choose_engine`)."""
+    if settings.profile:
+        engine = Profile.load(Path(settings.profile)).model.engine
+        return resolve_dtype(settings.with_engine(engine), policy)
+    torch = resolve_dtype(settings.with_engine("torch"), policy)
+    llama = settings.with_engine("llamacpp")
+    path = llama.profile_path()
+    missing = llama_unavailable() or f"no profile of it here ({path}; `specroute profile --engine llamacpp`)"
+    profile = Profile.load(path) if path.is_file() else None
+    assert torch.dtype_choice is not None
+    choice = choose_engine(torch.dtype_choice, profile, policy, missing)
+    chosen = llama.with_dtype(DEFAULT_DTYPE) if choice.engine == "llamacpp" else torch
+    return chosen.model_copy(update={"dtype_choice": choice})
+
+
+def llamacpp_dtype(backend: BackendSettings) -> DtypeChoice:
+    """What a llama.cpp service's replicas load torch's copy of the target in (its drafters and
+    the tokenizer read it; no target pass runs on it), and why."""
+    return DtypeChoice(
+        dtype=DEFAULT_DTYPE,
+        engine="llamacpp",
+        source="configured",
+        reason=f"engine llamacpp: the target's passes run llama.cpp on the GGUF weights ({backend.gguf_weights}); "
+        f"torch's {DEFAULT_DTYPE} copy serves the drafters and tokenizer only",
+    )
+
+
+def quantization_served(backend: BackendSettings) -> str:
+    """The quantized backend's method as the profile names it: torch's `quantization`, or on the
+    llama.cpp engine the file requantized to `quantized_weights`."""
+    if backend.engine == "llamacpp":
+        return gguf_method(backend.quantized_weights)
+    return backend.quantization
 
 
 class HandlePool:
@@ -161,7 +200,8 @@ class Router:
     ):
         s = ServiceSettings.model_validate(settings)
         assert s.dtype_choice is not None and s.profile_data is not None  # build_app decides both first
-        profile = Profile.model_validate(s.profile_data).serving(s.backend.quantization)
+        self.quantization = quantization_served(s.backend)
+        profile = Profile.model_validate(s.profile_data).serving(self.quantization)
         ensure_model_here(s.backend.model)  # the tokenizer comes with the model
         tokenizer = load_tokenizer(s.backend.model)
         policy = load_policy(s.policy) if s.policy else default_policy()
@@ -171,7 +211,6 @@ class Router:
             profile, policy, tokenizer, pool, s.limits, ServiceMetrics(), s.backend.drafters, s.dtype_choice
         )
         install(app, self.core, profile.model.name, s.api_key or os.environ.get("SPECROUTE_API_KEY") or None)
-        self.quantization = s.backend.quantization
 
     def check_health(self) -> None:
         """Serve's periodic probe: this replica's app must serve this replica's core (the route
@@ -211,11 +250,7 @@ def build_app(args: dict[str, Any], policy: dict[str, Any] | None = None) -> ser
     options = {"ray_actor_options": {"num_cpus": settings.backend_cpus}}
     speculative = SpeculativeBackend.options(**options).bind(backend_args)
     plain = PlainBackend.options(**options).bind(backend_args)
-    # The quantized kernels are CPU kernels over float32 weights, wherever the other backends run.
-    calibration = [[m.model_dump() for m in p.messages] for p in quantization_split()[0]]
-    quantized = QuantizedBackend.options(**options).bind(
-        {**backend_args, "device": "cpu", "dtype": "float32", "calibration": calibration}
-    )
+    quantized = QuantizedBackend.options(**options).bind(quantized_args(settings.backend, backend_args))
     router_options: dict[str, Any] = {"ray_actor_options": {"num_cpus": settings.router_cpus}}
     if policy is not None:
         router_options["user_config"] = {"policy": policy}
@@ -223,17 +258,47 @@ def build_app(args: dict[str, Any], policy: dict[str, Any] | None = None) -> ser
     return router.bind(speculative, plain, quantized, settings.model_dump(mode="json"))
 
 
-def check_profile(settings: ServiceSettings) -> Profile:
+def quantized_args(backend: BackendSettings, backend_args: dict[str, Any]) -> dict[str, Any]:
+    """The quantized backend's settings: on torch, CPU kernels over float32 weights (wherever the
+    other backends run) and the calibration prompts; on llama.cpp, the file requantized."""
+    if backend.engine == "llamacpp":
+        return {**backend_args, "gguf_weights": backend.quantized_weights}
+    calibration = [[m.model_dump() for m in p.messages] for p in quantization_split()[0]]
+    return {**backend_args, "device": "cpu", "dtype": "float32", "calibration": calibration}
+
+
+def check_profile(settings: ServiceSettings, policy: PolicyConfig | None = None) -> Profile:
     """The profile as read (not yet narrowed to the served quantization); refuse to start on a
-    missing profile, one of another model or one without the served method, saying what to do."""
+    missing profile, one of another model, engine or weights, one without the served method, or
+    llama.cpp weights measured under the policy's quality floor, saying what to do."""
     path = settings.profile_path()
     profile = Profile.load(path)
-    model = settings.backend.model
+    b, model = settings.backend, settings.backend.model
     if model in ("embedded", "default"):
         from backends.embedded import EMBEDDED_NAME
 
         model = EMBEDDED_NAME
     if profile.model.name != model:
         raise ProfileError(f"{path} profiles {profile.model.name}, not {model}: profile this model first")
-    profile.serving(settings.backend.quantization)  # refuses an unmeasured method
+    weights = b.gguf_weights if b.engine == "llamacpp" else None
+    if (profile.model.engine, profile.model.gguf_weights) != (b.engine, weights):
+        raise ProfileError(
+            f"{path} profiles {profile.model.served} on {profile.model.engine}; the service runs {b.engine}"
+            f"{f' with weights {weights}' if weights else ''}: profile that (`specroute profile --engine {b.engine}`)"
+        )
+    profile.serving(quantization_served(b))  # refuses an unmeasured method
+    _check_quality(profile, policy or (load_policy(settings.policy) if settings.policy else default_policy()))
     return profile
+
+
+def _check_quality(profile: Profile, policy: PolicyConfig) -> None:
+    """llama.cpp weights are a numerical model of their own: served only if their measured quality
+    against the float target meets the floor the quantized backend is held to."""
+    quality = profile.model.quality
+    if quality is None or policy.quantization.meets_floor(quality.agreement):
+        return
+    raise ProfileError(
+        f"{profile.model.served} agrees with the float target on {quality.agreement:.1%} of held-out tokens, under "
+        f"the policy's floor ({policy.quantization.min_agreement:.0%}): serve other weights (--gguf-weights), the "
+        "torch engine, or lower quantization.min_agreement"
+    )

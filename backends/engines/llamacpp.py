@@ -333,11 +333,20 @@ class LlamaCppEngine:
         pointer = self._api.llama_get_logits(self.ctx)
         return torch.from_numpy(np.ctypeslib.as_array(pointer, shape=(outputs, self._vocab)).copy())
 
-    def fill(self, seq: int, count: int, generator: np.random.Generator) -> None:
-        """`count` tokens of random context (a real pass: llama.cpp has no placeholder keys), for
-        timing passes, whose cost depends on how long the context is, not on what it holds."""
-        tokens = generator.integers(0, self._vocab, count).tolist()
-        self._decode([seq], [tokens], [[]])
+    def fill(self, seqs: Sequence[int], count: int, generator: np.random.Generator) -> None:
+        """`count` tokens of random context in each of `seqs`, fed together (real passes: llama.cpp
+        has no placeholder keys), for timing passes, whose cost depends on how long the context is,
+        not on what it holds."""
+        blocks = [generator.integers(0, self._vocab, count).tolist() for _ in seqs]
+        self._decode(seqs, blocks, [[] for _ in seqs])
+
+    def copy(self, source: int, target: int) -> None:
+        """Make the empty sequence `target` hold what `source` holds (llama.cpp copies the KV
+        stream: no pass runs)."""
+        if self.lengths[target]:
+            raise ValueError(f"sequence {target} is not empty")
+        self._api.llama_memory_seq_cp(self.memory, source, target, -1, -1)
+        self.lengths[target] = self.lengths[source]
 
     def close(self) -> None:
         """Free the context now rather than when the garbage collector gets to it."""
@@ -418,27 +427,78 @@ def measure_llamacpp_step_times(
     repeats: int = 3,
 ) -> dict[int, float]:
     """Best-of-`repeats` seconds of a llama.cpp pass of each width (new tokens per row) for `batch`
-    rows over `context` cached tokens each, in a context of its own on the same model (rounds go
-    round all widths in turn, as the torch probe's)."""
-    tokens = batch * (context + max(widths)) + BLOCK_TOKENS
-    engine = LlamaCppEngine(path, tokens, batch, threads, batch_tokens=max(batch * max(widths), context))
+    rows over `context` cached tokens each (`measure_llamacpp_curve` of one batch)."""
+    return measure_llamacpp_curve(path, [batch], widths, threads, context, repeats)[batch]
+
+
+def measure_llamacpp_curve(
+    path: Path,
+    batches: Sequence[int],
+    widths: Sequence[int],
+    threads: int,
+    context: int = PROBE_CONTEXT,
+    repeats: int = 3,
+) -> dict[int, dict[int, float]]:
+    """Best-of-`repeats` seconds of a llama.cpp pass of each width for each batch (in the order
+    given) over `context` cached tokens a row, in a context of its own on the same model: one row is
+    filled and copied into the widest batch's other rows (llama.cpp has no placeholder keys, and a
+    pass's cost depends on how long its rows' contexts are, not on what they hold: filling 32 rows
+    of 192 tokens on one thread here took a minute, copying them a millisecond), and a batch of b
+    passes over the first b rows (each row its own KV stream, so the rows left out cost nothing).
+    Rounds go round all widths in turn, as the torch probe's."""
+    rows = max(batches)
+    tokens = rows * (context + max(widths)) + BLOCK_TOKENS
+    engine = LlamaCppEngine(path, tokens, rows, threads, batch_tokens=max(rows * max(widths), BLOCK_TOKENS))
     generator = np.random.default_rng(0)
     try:
-        seqs = [engine.add() for _ in range(batch)]
+        seqs = [engine.add() for _ in range(rows)]
+        engine.fill(seqs[:1], context, generator)
+        for seq in seqs[1:]:
+            engine.copy(seqs[0], seq)
+        engine.logits(seqs, [[0] for _ in seqs])  # llama.cpp copies streams at the next pass: not one timed
         for seq in seqs:
-            engine.fill(seq, context, generator)
-        seconds = dict.fromkeys(widths, float("inf"))
-        for _ in range(repeats):
-            for width in widths:
-                blocks = [generator.integers(0, engine.vocab_size, width).tolist() for _ in seqs]
-                begun = time.perf_counter()
-                engine.logits(seqs, blocks)
-                seconds[width] = min(seconds[width], time.perf_counter() - begun)
-                for seq in seqs:
-                    engine.truncate(seq, context)
-        return seconds
+            engine.truncate(seq, context)
+        measured: dict[int, dict[int, float]] = {}
+        for batch in batches:
+            seconds = measured.setdefault(batch, dict.fromkeys(widths, float("inf")))
+            for _ in range(repeats):
+                for width in widths:
+                    blocks = [generator.integers(0, engine.vocab_size, width).tolist() for _ in seqs[:batch]]
+                    begun = time.perf_counter()
+                    engine.logits(seqs[:batch], blocks)
+                    seconds[width] = min(seconds[width], time.perf_counter() - begun)
+                    for seq in seqs[:batch]:
+                        engine.truncate(seq, context)
+        return measured
     finally:
         engine.close()
+
+
+def measure_llamacpp_prefill(path: Path, length: int, threads: int, repeats: int = 3) -> float:
+    """Best-of-`repeats` seconds to prefill one prompt of `length` random tokens and read the logits
+    after it (the time to first token), in a one-row context of its own; the prompt is fed in one
+    pass, as the step loop feeds a chunk."""
+    size = max(math.ceil(length / BLOCK_TOKENS), 1) * BLOCK_TOKENS
+    engine = LlamaCppEngine(path, size, 1, threads, batch_tokens=size)
+    generator = np.random.default_rng(0)
+    try:
+        best = float("inf")
+        for _ in range(repeats):
+            seq = engine.add()
+            prompt = generator.integers(0, engine.vocab_size, length).tolist()
+            begun = time.perf_counter()
+            engine.last_logits([seq], [prompt])
+            best = min(best, time.perf_counter() - begun)
+            engine.remove(seq)
+        return best
+    finally:
+        engine.close()
+
+
+def kv_bytes_per_token(values_per_token: int) -> int:
+    """Bytes one cached token takes in this engine's cache: its keys and values (`values_per_token`
+    over every layer) in Q8_0, 34 bytes per block of 32."""
+    return math.ceil(values_per_token * 34 / 32)
 
 
 def score_sequence(path: Path, tokens: Sequence[int], threads: int) -> torch.Tensor:

@@ -30,8 +30,21 @@ def test_conversion_writes_a_complete_model_atomically(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECROUTE_HOME", str(tmp_path))
     target = embedded.embedded_model_dir()
     embedded._convert_gguf(source_gguf, target, log=lambda _: None)
-    assert embedded.embedded_model_ready()
+    assert embedded._converted()
     assert [p.name for p in target.parent.iterdir()] == [target.name]  # no staging left behind
+    # Converted but without the GGUF file the llama.cpp engine serves: that file is fetched, nothing converted.
+    assert not embedded.embedded_model_ready()
+    fetched: list[str] = []
+
+    def download(path, _log):
+        path.parent.mkdir(parents=True)
+        path.write_bytes(source_gguf.read_bytes())
+        fetched.append(path.name)
+
+    monkeypatch.setattr(embedded, "_download_gguf", download)
+    monkeypatch.setattr(embedded, "_convert_gguf", lambda *_a: pytest.fail("converted again"))
+    embedded.prepare_embedded_model(log=lambda _: None)
+    assert fetched == [embedded.EMBEDDED_GGUF] and embedded.embedded_model_ready()
 
 
 def test_a_failed_download_says_what_to_check(tmp_path, monkeypatch):

@@ -15,6 +15,7 @@ from policies.profile import (
     ModelSummary,
     Profile,
     QuantizedProfile,
+    ShippedQuality,
 )
 
 FIXED = 0.070
@@ -139,6 +140,19 @@ def in_dtype(profile: Profile, dtype: str, speed: float, tile_width: int | None 
     update = {"dtype": dtype, "tile_width": tile_width, "tile_max_rows": 1 if tile_width else None}
     target = CostCurve(batches=BATCHES, widths=WIDTHS, seconds=seconds)
     return profile.model_copy(update={"model": profile.model.model_copy(update=update), "target": target})
+
+
+def on_llamacpp(profile: Profile, speed: float, agreement: float | None, prefill_speed: float = 1.0) -> Profile:
+    """`profile` as if measured on the llama.cpp engine serving the file: every target pass `speed` ×
+    as long, prefill `prefill_speed` × as long, its weights' teacher-forced agreement with the float
+    target `agreement`."""
+    seconds = [[s * speed for s in row] for row in profile.target.seconds]
+    target = profile.target.model_copy(update={"seconds": seconds})
+    prefill = profile.prefill.model_copy(update={"seconds": [[s * prefill_speed for s in profile.prefill.seconds[0]]]})
+    quality = None if agreement is None else ShippedQuality(method="llamacpp-file", agreement=agreement)
+    update = {"engine": "llamacpp", "gguf_weights": "file", "quality": quality, "tile_width": None}
+    model = profile.model.model_copy(update=update)
+    return profile.model_copy(update={"model": model, "target": target, "prefill": prefill})
 
 
 REFERENCE = 192

@@ -7,8 +7,8 @@ import pytest
 
 from policies.config import default_policy
 from policies.profile import ProfileError
-from policies.serving_dtype import MIN_GAIN, choose_dtype, configured, outlook
-from tests.policies.profiles import in_dtype, synthetic_profile
+from policies.serving_dtype import MIN_GAIN, choose_dtype, choose_engine, configured, outlook
+from tests.policies.profiles import in_dtype, on_llamacpp, synthetic_profile
 
 
 def test_a_faster_exact_bfloat16_serves_and_the_reason_gives_both_dtypes_figures():
@@ -67,3 +67,47 @@ def test_a_configured_dtype_stays_with_the_profiles_figures_alongside():
     choice = configured("float32", [fp32, in_dtype(fp32, "bfloat16", 0.5)], default_policy())
     assert (choice.dtype, choice.source) == ("float32", "configured")
     assert [o.dtype for o in choice.outlooks] == ["float32", "bfloat16"]
+
+
+def test_engine_auto_serves_llamacpp_when_faster_and_above_the_quality_floor():
+    fp32, policy = synthetic_profile(), default_policy()
+    torch_choice = choose_dtype([fp32], policy)
+    choice = choose_engine(torch_choice, on_llamacpp(fp32, speed=0.35, agreement=0.97), policy)
+    assert (choice.engine, choice.dtype, choice.source) == ("llamacpp", "float32", "measured")
+    llama = next(o for o in choice.outlooks if o.engine == "llamacpp")
+    assert llama.served == "llama.cpp file" and llama.agreement == 0.97
+    assert choice.reason.startswith("llamacpp: llama.cpp file") and "above the quality floor (95%)" in choice.reason
+    assert "not the float target's" in choice.reason  # exact to its own weights, said so
+
+
+@pytest.mark.parametrize(
+    ("speed", "agreement", "why"),
+    [
+        (0.35, 0.72, "not chosen: under the quality floor (95%)"),
+        (0.35, None, "its quality against the float target was not measured"),
+        (0.99, 0.99, "short of the 1.05× a switch needs"),
+    ],
+)
+def test_engine_auto_keeps_torch_for_weights_under_the_floor_or_a_small_gain(speed, agreement, why):
+    fp32, policy = synthetic_profile(), default_policy()
+    choice = choose_engine(choose_dtype([fp32], policy), on_llamacpp(fp32, speed, agreement), policy)
+    assert (choice.engine, choice.dtype) == ("torch", "float32")
+    assert choice.reason.startswith("torch: float32") and why in choice.reason
+
+
+def test_engine_auto_without_a_llamacpp_profile_says_why():
+    fp32, policy = synthetic_profile(), default_policy()
+    choice = choose_engine(choose_dtype([fp32], policy), None, policy, "llama-cpp-python is not installed")
+    assert choice.engine == "torch" and "llama.cpp not considered: llama-cpp-python is not installed" in choice.reason
+
+
+def test_engine_auto_keeps_torch_where_llamacpp_wins_alone_but_loses_under_load():
+    """Measured here: llama.cpp decoded a lone request 4× faster, but prefilled slower, and a loaded
+    service is mostly prefill: the choice reads both, and says so."""
+    fp32, policy = synthetic_profile(), default_policy()
+    slow_prefill = on_llamacpp(fp32, speed=0.3, agreement=0.97, prefill_speed=40.0)
+    choice = choose_engine(choose_dtype([fp32], policy), slow_prefill, policy)
+    llama, torch = (next(o for o in choice.outlooks if o.engine == e) for e in ("llamacpp", "torch"))
+    assert llama.best_tokens_per_s > MIN_GAIN * torch.best_tokens_per_s
+    assert llama.loaded_tokens_per_s < torch.loaded_tokens_per_s / MIN_GAIN
+    assert choice.engine == "torch" and "under load (batch 64, prefill included)" in choice.reason

@@ -515,3 +515,49 @@ def test_a_quick_probe_is_a_provisional_profile_the_router_can_route_with(loaded
     assert len(probe.samples) == PROBE_PROMPTS * 2 and probe.categories == ["chat", "math"]
     assert len(probe.acceptance_maps) == 1  # acceptance was measured in a run: its map comes with it
     Predictors.from_profile(probe)  # the router refits its predictors from so few samples
+
+
+LLAMACPP = {"engine": "llamacpp", "categories": ["chat", "math"], "training_prompts": 0, "context_budget_s": 0.0}
+
+
+@pytest.fixture(scope="module")
+def llamacpp_profile() -> tuple[Profile, list[str]]:
+    from backends.engines.llamacpp import llama_unavailable
+
+    if llama_unavailable() is not None:
+        pytest.skip("llama-cpp-python is not installed here (`make install` builds it)")
+    config = {k: v for k, v in SMALL.model_dump().items() if k != "drafters"}  # the engine's default drafters
+    lines: list[str] = []
+    return run_profile(ProfileConfig.model_validate({**config, **LLAMACPP}), progress=False, log=lines.append), lines
+
+
+def test_a_llamacpp_profile_measures_that_engine_and_its_weights_quality(llamacpp_profile, profile):
+    """On llama.cpp: its own passes, prefill and acceptance (the shipped float32 acceptance is not
+    its model's), the served weights' quality against the float target, and the quantized backend
+    as the file requantized to Q8_0."""
+    llama, lines = llamacpp_profile
+    m = llama.model
+    assert (m.engine, m.gguf_weights, m.served) == ("llamacpp", "file", "llama.cpp file")
+    assert m.exact_at_batch_one and m.tile_width is None
+    assert m.quality is not None and m.quality.method == "llamacpp-file" and 0.8 <= m.quality.agreement <= 1
+    assert m.kv_bytes_per_token is not None and m.kv_bytes_per_token < profile.model.kv_bytes_per_token / 3  # Q8_0
+    assert llama.target.batches == [1, 2] and llama.target.widths == [1, 2, 3, 4]
+    one = llama.target.seconds[0]
+    assert all(s > 0 for s in one) and one[3] > 1.2 * one[0]  # verifying 3 drafts is no free lunch here
+    assert llama.context is None and llama.prefill.widths == [8, 32]
+    assert [d.kind for d in llama.drafters] == ["ngram"]  # a torch draft model is not loaded by default
+    assert {a.category for a in llama.acceptance} == {"chat", "math"} and llama.acceptance_source == "measured"
+    assert any("measuring acceptance on llamacpp" in line for line in lines)
+    q = llama.quantized
+    assert q is not None and q.method == "llamacpp-Q8_0" and q.curve.widths == [1]
+    assert q.weight_bytes is not None and q.weight_bytes > m.weight_bytes  # 8 bits a weight against the file's ~4.5
+    assert llama.serving("llamacpp-Q8_0").quantized == q
+
+
+def test_a_llamacpp_profile_has_a_path_of_its_own():
+    config = ProfileConfig.model_validate(LLAMACPP)
+    path = default_profile_path("embedded", "float32", "cpu", config.loop())
+    assert path.name == "embedded-llamacpp-file-cpu.json"
+    assert path != default_profile_path("embedded", "float32", "cpu")
+    with pytest.raises(ValueError, match="set engine llamacpp"):
+        ProfileConfig(gguf_weights="Q8_0")

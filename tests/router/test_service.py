@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx2 as httpx
@@ -17,6 +18,11 @@ import torch
 
 from backends.generation import GenerationRequest
 from backends.plain import prompt_ids
+from policies.config import default_policy
+from policies.engines import gguf_method
+from policies.profile import Profile, ProfileError, ShippedQuality
+from router.service import ServiceSettings, check_profile, quantized_args, resolve_dtype
+from tests.policies.profiles import synthetic_profile
 from tests.router.conftest import POLICY, Service
 
 pytestmark = pytest.mark.slow
@@ -246,10 +252,73 @@ def _wait(condition, timeout_s: float = 120.0) -> None:
     raise AssertionError("condition not reached in time")
 
 
-def test_the_service_refuses_an_engine_its_profile_does_not_measure():
-    from pydantic import ValidationError
+def _llamacpp_profile(agreement: float) -> Profile:
+    """The synthetic profile as if measured on llama.cpp serving the file, its quantized backend Q8_0."""
+    base = synthetic_profile(quantized_agreement=0.97, quantized_method=gguf_method("Q8_0"))
+    quality = ShippedQuality(method=gguf_method("file"), agreement=agreement)
+    model = base.model.model_copy(update={"engine": "llamacpp", "gguf_weights": "file", "quality": quality})
+    return base.model_copy(update={"model": model})
 
-    from router.service import ServiceSettings
 
-    with pytest.raises(ValidationError, match="runs the torch engine for now"):
-        ServiceSettings.model_validate({"backend": {"engine": "llamacpp"}})
+def _llamacpp_settings(profile: Path, **backend: object) -> ServiceSettings:
+    return ServiceSettings.model_validate(
+        {"backend": {"engine": "llamacpp", "model": "embedded", **backend}, "profile": str(profile)}
+    )
+
+
+def test_a_llamacpp_service_runs_with_its_own_profile_and_requantized_backend(tmp_path):
+    path = tmp_path / "llamacpp.json"
+    _llamacpp_profile(0.97).save(path)
+    settings = resolve_dtype(_llamacpp_settings(path))
+    assert settings.backend.dtype == "float32" and "llama.cpp" in settings.dtype_choice.reason
+    profile = check_profile(settings)
+    assert profile.model.served == "llama.cpp file"
+    args = quantized_args(settings.backend, settings.backend.model_dump(mode="json"))
+    assert args["gguf_weights"] == "Q8_0" and not args["calibration"]  # no torch quantization on this engine
+    assert settings.backend.drafters == ["ngram"]  # the engine's default (a torch draft model costs more here)
+    torch_path = tmp_path / "torch.json"
+    synthetic_profile(quantized_agreement=0.97).save(torch_path)
+    with pytest.raises(ProfileError, match="the service runs llamacpp"):
+        check_profile(resolve_dtype(_llamacpp_settings(torch_path)))
+    with pytest.raises(ProfileError, match="the service runs torch"):
+        check_profile(ServiceSettings.model_validate({"profile": str(path)}).with_dtype("float32"))
+
+
+def test_llamacpp_weights_under_the_quality_floor_are_not_served(tmp_path):
+    path = tmp_path / "llamacpp.json"
+    _llamacpp_profile(0.72).save(path)
+    settings = resolve_dtype(_llamacpp_settings(path))
+    with pytest.raises(ProfileError, match="72.0% of held-out tokens, under the policy's floor"):
+        check_profile(settings)
+    lenient = default_policy().model_copy(
+        update={"quantization": default_policy().quantization.model_copy(update={"min_agreement": 0.7})}
+    )
+    check_profile(settings, lenient)
+
+
+def test_the_quantized_weights_are_a_gguf_type_the_profile_measured(tmp_path):
+    path = tmp_path / "llamacpp.json"
+    _llamacpp_profile(0.97).save(path)
+    with pytest.raises(ProfileError, match="no quantized backend 'llamacpp-Q4_0' measured"):
+        check_profile(resolve_dtype(_llamacpp_settings(path, quantized_weights="Q4_0")))
+
+
+@pytest.mark.parametrize(("speed", "engine", "drafters"), [(0.35, "llamacpp", ["ngram"]), (0.99, "torch", None)])
+def test_engine_auto_picks_from_both_engines_profiles_here(tmp_path, monkeypatch, speed, engine, drafters):
+    from policies.drafters import SERVED_KINDS
+    from profiler.profiling import default_profile_path
+    from tests.policies.profiles import on_llamacpp
+
+    monkeypatch.setenv("SPECROUTE_HOME", str(tmp_path))
+    fp32 = synthetic_profile(quantized_agreement=0.97)
+    fp32.save(default_profile_path("embedded", "float32", "cpu"))
+    settings = ServiceSettings.model_validate({"backend": {"engine": "auto"}})
+    llama_path = settings.with_engine("llamacpp").profile_path()
+    assert llama_path.name == "embedded-llamacpp-file-cpu.json"
+    on_llamacpp(fp32, speed, 0.97).save(llama_path)
+    decided = resolve_dtype(settings)
+    assert decided.backend.engine == engine and decided.dtype_choice.engine == engine
+    assert decided.backend.drafters == (drafters or list(SERVED_KINDS))  # each engine's default drafters
+    assert decided.profile_path() == (llama_path if engine == "llamacpp" else default_profile_path())
+    with pytest.raises(ProfileError, match="not decided yet"):
+        settings.profile_path()
