@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from policies.drafters import BENCHED_KINDS, KINDS, SERVED_KINDS, DrafterConfig
-from router.cli import build_parser, main
+from router.cli import _drafters, build_parser, main
 
 
 def _run(capsys, *argv: str) -> tuple[int, str, str]:
@@ -157,8 +157,11 @@ def test_drafter_flags_come_from_the_registry_and_its_config(command):
 
 def test_drafter_choices_and_defaults_are_the_registrys(capsys):
     parser = build_parser()
-    assert parser.parse_args(["serve"]).drafters == ",".join(SERVED_KINDS)
-    assert parser.parse_args(["profile"]).drafters == ",".join(SERVED_KINDS)
+    # serve and profile: unnamed drafters are the engine's default (every served kind on torch)
+    assert parser.parse_args(["serve"]).drafters is None
+    assert _drafters(parser.parse_args(["profile"])) == list(SERVED_KINDS)
+    assert _drafters(parser.parse_args(["profile", "--engine", "llamacpp"])) == ["ngram"]
+    assert _drafters(parser.parse_args(["profile", "--drafters", "model"])) == ["model"]
     assert parser.parse_args(["bench", "spec"]).drafters == ",".join(BENCHED_KINDS)
     with pytest.raises(SystemExit):
         parser.parse_args(["generate", "x", "--speculative", "jacobi"])
