@@ -30,7 +30,7 @@ from pydantic import Field, model_validator
 from ray import serve
 
 from policies.drafters import SERVED_KINDS, DrafterConfig, DrafterKind
-from policies.engines import DEFAULT_QUANTIZED_WEIGHTS, ENGINE_CHOICES, EngineChoice, GgufWeights, default_drafters
+from policies.engines import DEFAULT_QUANTIZED_WEIGHTS, ENGINE_CHOICES, EngineChoice, GgufWeights, with_engine_drafters
 from policies.profile import Profile
 from policies.quantization import QuantChoice
 
@@ -108,13 +108,7 @@ class BackendSettings(LoopSettings):
         "passes the prompt set's calibration half, the one the profiler did not measure quality on)",
     )
 
-    @model_validator(mode="before")
-    @classmethod
-    def _engine_drafters(cls, data: Any) -> Any:
-        # Unless drafters are named, the engine's own default (policies.engines.default_drafters).
-        if isinstance(data, dict) and "drafters" not in data and data.get("engine") not in (None, "torch", "auto"):
-            return {**data, "drafters": default_drafters(data["engine"])}
-        return data
+    _engine_drafters = model_validator(mode="before")(with_engine_drafters)
 
 
 class _Backend:

@@ -3,7 +3,7 @@ CLI, the settings schemas and, through them, the policy read the names here, fre
 
 from __future__ import annotations
 
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
 from .drafters import SERVED_KINDS, DrafterKind
 
@@ -46,3 +46,13 @@ def default_drafters(engine: EngineName) -> list[DrafterKind]:
     the target costs more than llama.cpp's pass of the target itself (`--drafters ngram,model`
     measures it anyway)."""
     return list(SERVED_KINDS) if engine == "torch" else ["ngram"]
+
+
+def with_engine_drafters(data: Any) -> Any:
+    """Settings' raw fields (a `mode="before"` validator of the service's and the profiler's
+    settings) with the named engine's default drafters where none are named; torch's are the
+    fields' own default, and an engine still to be decided (auto) gets its own once decided."""
+    engine = data.get("engine") if isinstance(data, dict) else None
+    if engine in ENGINES and engine != "torch" and "drafters" not in data:
+        return {**data, "drafters": default_drafters(engine)}
+    return data

@@ -21,7 +21,7 @@ from contextlib import contextmanager
 from datetime import UTC, datetime
 from importlib.metadata import version
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 import numpy as np
 import torch
@@ -55,7 +55,14 @@ from backends.speculative.factory import build_drafter
 from backends.speculative.stats import SpeculationStats
 from backends.training.prompts import TrainingPrompt, training_prompts
 from policies.drafters import SERVED_KINDS, DrafterConfig, DrafterKind, spec
-from policies.engines import DEFAULT_QUANTIZED_WEIGHTS, ENGINES, EngineName, GgufWeights, default_drafters, gguf_method
+from policies.engines import (
+    DEFAULT_QUANTIZED_WEIGHTS,
+    ENGINES,
+    EngineName,
+    GgufWeights,
+    gguf_method,
+    with_engine_drafters,
+)
 from policies.profile import (
     AcceptanceProfile,
     AcceptanceSample,
@@ -181,13 +188,7 @@ class ProfileConfig(ModelSettings):
         """The step loop the profiled backends run: the engine and the weights it serves."""
         return LoopSettings(engine=self.engine, gguf_weights=self.gguf_weights)
 
-    @model_validator(mode="before")
-    @classmethod
-    def _engine_drafters(cls, data: Any) -> Any:
-        # Unless drafters are named, the engine's own default (policies.engines.default_drafters).
-        if isinstance(data, dict) and "drafters" not in data and data.get("engine") not in (None, "torch"):
-            return {**data, "drafters": default_drafters(data["engine"])}
-        return data
+    _engine_drafters = model_validator(mode="before")(with_engine_drafters)
 
 
 def quick_config(config: ProfileConfig) -> ProfileConfig:
@@ -228,7 +229,7 @@ def default_profile_path(
     SPECROUTE_HOME (default ~/.cache/specroute)."""
     slug = re.sub(r"[^A-Za-z0-9._-]+", "_", model.strip("/")).strip("_") or "model"
     if loop is not None and loop.engine == "llamacpp":
-        dtype = f"llamacpp-{loop.gguf_weights}"
+        dtype = gguf_method(loop.gguf_weights)
     return specroute_home() / "profiles" / f"{slug}-{dtype}-{device}.json"
 
 
@@ -286,7 +287,7 @@ def run_profile(
     return Profile(
         created=datetime.now(UTC),
         machine=machine_info().model_dump(),
-        model=_model_summary(loaded, loop, reference),
+        model=_model_summary(loaded, loop, served_quality(loaded, loop, reference)),
         libraries={name: version(name) for name in ("torch", "transformers", "scikit-learn", "numpy")},
         settings=config.model_dump(mode="json"),
         target=target,
@@ -643,9 +644,12 @@ def measure_curve(
         for sweep in tqdm(sweeps, desc=label, unit="sweep", disable=not progress):
             for b, times in measure_llamacpp_curve(gguf, sweep, widths, threads, context, repeats).items():
                 best[b] = {w: min(best[b][w], times[w]) for w in widths}
-    for b in tqdm([] if config.engine == "llamacpp" else order, desc=label, unit="batch", disable=not progress):
-        times = measure_step_times(loaded.model, b, widths, context, repeats, config.enough_s, tile, loop.tile_max_rows)
-        best[b] = {w: min(best[b][w], times[w]) for w in widths}
+    else:
+        for b in tqdm(order, desc=label, unit="batch", disable=not progress):
+            times = measure_step_times(
+                loaded.model, b, widths, context, repeats, config.enough_s, tile, loop.tile_max_rows
+            )
+            best[b] = {w: min(best[b][w], times[w]) for w in widths}
     rows = [list(best[b].values()) for b in config.batches]
     return CostCurve(batches=list(config.batches), widths=list(widths), seconds=rows)
 
@@ -863,9 +867,17 @@ def added_weight_bytes(drafter: Drafter, target: torch.nn.Module) -> int:
     return total
 
 
-def _model_summary(loaded: LoadedModel, loop: LoopSettings, reference: Callable[[], Reference]) -> ModelSummary:
-    """The target as profiled; on llama.cpp with its weights' quality against the float target
-    (`reference`), which the policy's floor admits or refuses."""
+def served_quality(loaded: LoadedModel, loop: LoopSettings, reference: Callable[[], Reference]) -> Quality | None:
+    """On llama.cpp: its served weights' quality against the float target (`reference`), which the
+    policy's floor admits or refuses; None on torch (the float target is the reference)."""
+    if loop.engine != "llamacpp":
+        return None
+    with all_cores():
+        return measure_gguf_quality(reference(), loaded, loop.gguf_weights)
+
+
+def _model_summary(loaded: LoadedModel, loop: LoopSettings, quality: Quality | None) -> ModelSummary:
+    """The target as profiled; on llama.cpp with its weights' measured `quality`."""
     info = loaded.info
     summary = ModelSummary(
         name=info.name,
@@ -880,10 +892,8 @@ def _model_summary(loaded: LoadedModel, loop: LoopSettings, reference: Callable[
         tile_max_rows=loop.tile_max_rows,
         linear_kernels=info.linear_kernels,
     )
-    if loop.engine != "llamacpp":
+    if quality is None:
         return summary
-    with all_cores():
-        quality = measure_gguf_quality(reference(), loaded, loop.gguf_weights)
     return summary.model_copy(
         update={
             "engine": loop.engine,
