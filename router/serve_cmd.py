@@ -148,7 +148,9 @@ class ProfileJob:
 
 def completion_jobs(settings: ServiceSettings, paths: list[Path]) -> list[ProfileJob]:
     """The full measurements of the provisional profiles among `paths` (as `ensure_profiles`
-    returns them: float32 first, whose quantized measurements the others take), in that order."""
+    returns them: float32 first, whose quantized measurements the others take), in that order.
+    `settings`: as asked for, before `resolve_dtype` (each engine's profile then gets that engine's
+    default drafters unless some were named; decided settings carry the chosen engine's)."""
     jobs = []
     for i, path in enumerate(paths):
         profile = Profile.load(path)
@@ -413,10 +415,10 @@ def serve_forever(settings: ServiceSettings, host: str, port: int, policy_file: 
     if settings.backend.model in ("embedded", "default"):
         prepare_embedded_model()
     paths = ensure_profiles(settings, probe=True)
+    jobs = completion_jobs(settings, paths)
     settings = resolve_dtype(settings, config)
     print(f"serving in {settings.backend.dtype}: {settings.dtype_choice.reason}", flush=True)  # type: ignore[union-attr]
     check_profile(settings, config)
-    jobs = completion_jobs(settings, paths)
     temp_dir = start_ray()
     stop = _stop_on_signals()  # after ray.init, which installs handlers of its own
     background = BackgroundProfile(jobs, log=lambda line: print(line, flush=True))

@@ -150,6 +150,23 @@ def test_the_provisional_profiles_are_completed_float32_first(tmp_path, monkeypa
     assert [j.path for j in completion_jobs(ServiceSettings(), [fp32, bf16])] == [bf16]
 
 
+def test_with_engine_auto_each_engines_full_profile_keeps_its_own_drafters(tmp_path):
+    """Jobs come from the settings as asked for (serve_forever builds them before deciding the
+    engine): the llama.cpp profile measures prompt lookup only, torch's every served kind."""
+    from policies.drafters import SERVED_KINDS
+    from tests.policies.profiles import on_llamacpp
+
+    torch_path, llama_path = tmp_path / "torch.json", tmp_path / "llama.json"
+    provisional(synthetic_profile()).save(torch_path)
+    provisional(on_llamacpp(synthetic_profile(), 0.3, 0.97)).save(llama_path)
+    jobs = completion_jobs(ServiceSettings.model_validate({"backend": {"engine": "auto"}}), [torch_path, llama_path])
+    assert [(j.config.engine, j.config.drafters, j.quantized_from) for j in jobs] == [
+        ("torch", list(SERVED_KINDS), None),
+        ("llamacpp", ["ngram"], None),
+    ]
+    assert jobs[1].config.gguf_quantized == ["Q8_0"] and jobs[1].config.quantization == []
+
+
 def test_a_finished_profile_reaches_the_router_through_its_user_config(tmp_path):
     """The app's args stay the same (no replica restarts): only the Router's user_config changes."""
     settings = ServiceSettings(profile=str(tmp_path / "p.json"))
