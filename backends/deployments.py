@@ -30,9 +30,19 @@ from pydantic import Field, model_validator
 from ray import serve
 
 from policies.drafters import SERVED_KINDS, DrafterConfig, DrafterKind
-from policies.engines import DEFAULT_QUANTIZED_WEIGHTS, ENGINE_CHOICES, EngineChoice, GgufWeights, with_engine_drafters
+from policies.engines import (
+    DEFAULT_QUANTIZED_WEIGHTS,
+    ENGINE_CHOICES,
+    QUANTIZED_DRAFTER_KINDS,
+    EngineChoice,
+    GgufWeights,
+    check_quantized_drafters,
+    gguf_method,
+    quantized_drafters,
+    with_engine_drafters,
+)
 from policies.profile import Profile
-from policies.quantization import QuantChoice
+from policies.quantization import QuantChoice, speculation_refusal
 
 from .embedded import ensure_model_here
 from .errors import ModelLoadError, Overloaded, RequestError
@@ -42,6 +52,7 @@ from .models import LoadedModel, load_model
 from .plain import PlainEngine
 from .quantized import calibration_cache, needs_calibration, quantize, resolve_method
 from .scheduler import (
+    PLAIN_ROW,
     LoopSettings,
     Scheduler,
     profile_acceptance_maps,
@@ -96,6 +107,12 @@ class BackendSettings(LoopSettings):
         description="engine llamacpp: the quantized backend's weights, the .gguf file requantized to this type "
         "(`quantization` names torch's methods)",
     )
+    quantized_drafters: list[DrafterKind] | None = Field(
+        None,
+        description="the drafters the quantized backend speculates with, per step where it pays (quantization "
+        f"stacked with speculation; {' or '.join(QUANTIZED_DRAFTER_KINDS)}, among `drafters`); null: the engine's "
+        "default (llamacpp: ngram; torch: none, see policies.engines.default_quantized_drafters); []: plain only",
+    )
     profile: str | None = Field(None, description="profile JSON: seeds the speculative engine's step costs")
     profile_data: dict[str, Any] | None = Field(
         None,
@@ -109,6 +126,11 @@ class BackendSettings(LoopSettings):
     )
 
     _engine_drafters = model_validator(mode="before")(with_engine_drafters)
+
+    @model_validator(mode="after")
+    def _quantized_drafters_served(self) -> BackendSettings:
+        check_quantized_drafters(self.quantized_drafters, self.drafters)
+        return self
 
 
 class _Backend:
@@ -202,19 +224,53 @@ class PlainBackend(_Backend):
 
 @serve.deployment(name="QuantizedBackend", ray_actor_options={"num_cpus": 0.5}, max_ongoing_requests=1024)
 class QuantizedBackend(_Backend):
+    """The loop over the quantized target; with `quantized_drafters`, rows speculate where each step's
+    plan finds it pays (quantization stacked with speculation), exact to the quantized model."""
+
     name: BackendName = "quantized"
 
     def __init__(self, settings: dict[str, Any]):
         super().__init__(settings)
         s = self.settings
+        kinds = quantized_drafters(s.engine, s.quantized_drafters)
         if s.engine == "llamacpp":  # the builder set gguf_weights to the requantized type (quantized_args)
-            self.start(self.loaded)
-            return
-        method = resolve_method(self.loaded, s.quantization)
-        # The profiler's run of the same calibration left its statistics in the cache: reused here.
-        calibration = calibration_ids(self.loaded, s) if needs_calibration(method) else []
-        # A method this model, dtype or device cannot take fails here, at start-up, never mid-request.
-        self.start(quantize(self.loaded, calibration, method, calibration_cache()))
+            target = self.loaded  # the engine's probe refuses speculation on weights whose passes vary
+        else:
+            method = resolve_method(self.loaded, s.quantization)
+            refusal = speculation_refusal(method) if kinds else None
+            if refusal:
+                raise ModelLoadError(f"the quantized backend cannot speculate: {refusal}")
+            # The profiler's run of the same calibration left its statistics in the cache: reused here.
+            calibration = calibration_ids(self.loaded, s) if needs_calibration(method) else []
+            # A method this model, dtype or device cannot take fails here, at start-up, never mid-request.
+            target = quantize(self.loaded, calibration, method, calibration_cache())
+            if kinds:  # torch's int kernels vary with a pass's width: tiles make verification exact
+                self.settings = s = s.model_copy(update={"width_invariant": "on"})
+        self.drafters = [build_drafter(s.drafter.of(kind), target) for kind in kinds]
+        self.names = {kind: d.name for kind, d in zip(kinds, self.drafters, strict=True)}
+        if self.drafters:
+            self.costs = _quantized_costs(target, s, s.k_max + 1)
+            profile = served_profile(s)
+            self.draft_costs = seeded_draft_costs(profile, [d.name for d in self.drafters], s.max_batch)
+            # The target's per-proposal maps start the quantized model's (it agrees with the target on
+            # more tokens than the quality floor); the loop corrects them per request as it serves.
+            self.acceptance_maps = profile_acceptance_maps(profile)
+        self.start(target)
+
+    def scheduler(self) -> Scheduler:
+        if not self.drafters:
+            return super().scheduler()
+        s = self.settings
+        drafters = [d.fresh() for d in self.drafters]
+        return Scheduler(self.target, s, drafters, "auto", s.k_max, self.costs, self.draft_costs, self.acceptance_maps)
+
+    def drafter_name(self, drafter: str | None) -> str | None:
+        """A row the policy sent without a drafter decodes plain here (it would otherwise take the
+        loop's default drafter), as does one naming a drafter this backend does not load."""
+        if not self.drafters:
+            return None
+        name = self.names.get(drafter, drafter) if drafter is not None else None
+        return name if name in self.names.values() else PLAIN_ROW
 
 
 @serve.deployment(name="SpeculativeBackend", ray_actor_options={"num_cpus": 0.5}, max_ongoing_requests=1024)
@@ -259,6 +315,20 @@ def served_profile(settings: BackendSettings) -> Profile | None:
     if settings.profile_data is not None:
         return Profile.model_validate(settings.profile_data)
     return Profile.load(Path(settings.profile)) if settings.profile else None
+
+
+def _quantized_costs(target: LoadedModel, settings: BackendSettings, widest: int) -> StepCosts:
+    """The quantized target's step costs: the profile's curve of it where it measured these verify
+    widths (and the served method), else probed at start, before any request's clock starts."""
+    profile = served_profile(settings)
+    measured = profile.quantized if profile is not None else None
+    method = gguf_method(settings.quantized_weights) if settings.engine == "llamacpp" else target.info.dtype
+    if measured is not None and measured.method == method and measured.curve.max_width >= widest:
+        costs = seeded_step_costs(target, measured.curve, settings, widest)
+    else:
+        costs = step_costs(target, widest, settings)
+    costs.ensure(settings.max_batch)
+    return costs
 
 
 def _seeded_costs(loaded: LoadedModel, settings: BackendSettings, max_width: int = 0) -> StepCosts | None:

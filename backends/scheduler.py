@@ -78,6 +78,9 @@ from .speculative.stats import SpeculationStats
 log = logging.getLogger("specroute.scheduler")
 KSetting = int | Literal["auto"]
 K_LIMIT = 32
+# What a request names as its drafter to decode without drafting in a loop that drafts (no
+# drafter's name: those are kinds with their options).
+PLAIN_ROW = "plain"
 # Measured on a 2-core AMD EPYC in bfloat16 (docs/benchmarks/history.md): a pass costs more the wider it is, so the
 # default tile is the narrowest that verifies the default k_max of 8.
 DEFAULT_TILE_WIDTH = 9
@@ -384,6 +387,8 @@ class Scheduler:
         return [r.state.result(self.tokenizer) for r in rows]
 
     def _drafter(self, name: str | None) -> Drafter | None:
+        if name == PLAIN_ROW:
+            return None
         if name is None:
             return self.drafters.get(self.default_drafter) if self.default_drafter else None
         if name not in self.drafters:

@@ -48,6 +48,40 @@ def default_drafters(engine: EngineName) -> list[DrafterKind]:
     return list(SERVED_KINDS) if engine == "torch" else ["ngram"]
 
 
+# The drafters the quantized backend may speculate with: those that read only tokens, so they serve
+# a quantized target as they serve the float one (the hidden-state drafters were trained on the
+# float target's features).
+QUANTIZED_DRAFTER_KINDS: tuple[DrafterKind, ...] = ("ngram", "model")
+
+
+def default_quantized_drafters(engine: EngineName) -> list[DrafterKind]:
+    """The drafters the quantized backend speculates with unless told otherwise (quantization stacked
+    with speculation, exact to the quantized model). On llama.cpp prompt lookup: the requantized
+    type's passes are probed width-invariant where it runs, so its speculative tokens are its plain
+    ones. On torch none: the weight-only int kernels give a token other logits at other pass widths
+    (greedy prompt lookup at k = 4 equalled plain decoding on 13 and 11 of 14 held-out prompts with
+    int4 and int8, 2-core AMD EPYC), and the width-invariant passes that make it exact (14 of 14)
+    halved int4's plain decoding there (15.3 → 7.5 tokens/s, one thread): `quantized_drafters:
+    [ngram]` turns it on where a machine's kernels make it pay."""
+    return ["ngram"] if engine == "llamacpp" else []
+
+
+def quantized_drafters(engine: EngineName, given: list[DrafterKind] | None) -> list[DrafterKind]:
+    """The quantized backend's drafters: those `given`, else the engine's default."""
+    return default_quantized_drafters(engine) if given is None else list(given)
+
+
+def check_quantized_drafters(given: list[DrafterKind] | None, drafters: list[DrafterKind]) -> None:
+    """Refuse quantized drafters that need more than tokens or are not among the loaded `drafters`
+    (the policy prices a drafter's steps by its profile)."""
+    for kind in given or []:
+        if kind not in QUANTIZED_DRAFTER_KINDS or kind not in drafters:
+            raise ValueError(
+                f"quantized_drafters: {kind} cannot draft for the quantized backend: name drafters that read only "
+                f"tokens ({', '.join(QUANTIZED_DRAFTER_KINDS)}) and are among drafters ({', '.join(drafters)})"
+            )
+
+
 def with_engine_drafters(data: Any) -> Any:
     """Settings' raw fields (a `mode="before"` validator of the service's and the profiler's
     settings) with the named engine's default drafters where none are named; torch's are the

@@ -138,15 +138,53 @@ def speculation_at(
     return k, c, v, v, speedup(alpha, k, c, v, proposal_rate, batch, v)
 
 
-def quantized_candidate(costs: ProfileCosts, batch: int, prompt_tokens: int, max_tokens: int) -> Candidate | None:
-    quantized = costs.profile.quantized
-    if quantized is None:
-        return None
-    # Attention over the cache runs in float either way: context adds the same seconds to both.
-    step = quantized.curve.at(batch, 1) + costs.step_s(batch) - costs.target.at(batch, 1)
-    # Prefill scales like decode here: the same weights are read, the same share is saved.
-    ttft = costs.ttft_s(prompt_tokens) * step / costs.step_s(batch)
-    return _candidate("quantized", ttft, step, batch, max_tokens, speedup=costs.step_s(batch) / step)
+class QuantizedCosts(ProfileCosts):
+    """The quantized backend's passes read as ProfileCosts reads the target's: its measured curve,
+    plus the seconds the target's context adds to a pass (attention over the cache runs in float
+    either way, so context adds the same seconds to both)."""
+
+    def __init__(self, costs: ProfileCosts):
+        assert costs.profile.quantized is not None
+        super().__init__(costs.profile, costs.context)
+        self.base = costs
+        self.target = costs.profile.quantized.curve
+
+    def pass_s(self, batch: float, width: int) -> float:
+        base = self.base.target
+        return self.target.at(batch, width) + self.base.pass_s(batch, width) - base.at(batch, width)
+
+    def ttft_s(self, prompt_tokens: int) -> float:
+        # Prefill scales like decode here: the same weights are read, the same share is saved.
+        return self.base.ttft_s(prompt_tokens) * self.step_s(1) / self.base.step_s(1)
+
+
+def quantized_candidates(
+    costs: ProfileCosts,
+    batch: int,
+    prompt_tokens: int,
+    max_tokens: int,
+    alphas: dict[str, tuple[float, str, float]] | None = None,
+    k_range: tuple[int, int] = (1, 8),
+) -> list[Candidate]:
+    """The quantized backend decoding plain, and speculating with each of its drafters that has an
+    α for this request (`alphas`: drafter name → (α, where it came from, ρ), measured on the
+    quantized model's own tokens) where its curve has the verify widths. Speedups are over the
+    plain target at this concurrency, so they compare with every other candidate's."""
+    if costs.profile.quantized is None:
+        return []
+    q = QuantizedCosts(costs)
+    step, base = q.step_s(batch), costs.step_s(batch)
+    plain = _candidate("quantized", q.ttft_s(prompt_tokens), step, batch, max_tokens, speedup=base / step)
+    out = [plain]
+    if q.target.max_width < 2:
+        return out
+    ks = (min(k_range[0], q.target.max_width - 1), min(k_range[1], q.target.max_width - 1))
+    for name, (alpha, source, rho) in (alphas or {}).items():
+        drafter = costs.profile.drafter(name)
+        spec = speculative_candidate(q, drafter, alpha, source, rho, batch, prompt_tokens, max_tokens, ks)
+        gain = spec.speedup * base / step
+        out.append(spec.model_copy(update={"backend": "quantized", "speedup": gain}))
+    return out
 
 
 def _candidate(

@@ -18,7 +18,7 @@ from .estimates import (
     ProfileCosts,
     decode_context,
     plain_candidate,
-    quantized_candidate,
+    quantized_candidates,
     speculation_break_even,
     speculative_candidate,
 )
@@ -88,8 +88,12 @@ def decide(features: RequestFeatures, load: LoadSnapshot, profile: Profile, conf
     plain = plain_candidate(costs, b, features.prompt_tokens, features.max_tokens)
     bottleneck, eps = _bottleneck(costs, b, config, reasons)
     specs = _speculative_candidates(costs, features, b, config, reasons)
-    quantized = quantized_candidate(costs, b, features.prompt_tokens, features.max_tokens)
-    candidates = [c for c in [*specs, plain, quantized] if c is not None]
+    alphas = _quantized_alphas(features, profile, config)
+    quantized_all = quantized_candidates(
+        costs, b, features.prompt_tokens, features.max_tokens, alphas, k_range(costs, config)
+    )
+    quantized = _best_quantized(quantized_all, b, config)
+    candidates = [*specs, plain, *quantized_all]
     for c in candidates:
         c.meets_slo = _meets_slo(c, config)
 
@@ -250,6 +254,63 @@ def _batching_stage(
     return best, "batching"
 
 
+def _quantized_alphas(
+    features: RequestFeatures, profile: Profile, config: PolicyConfig
+) -> dict[str, tuple[float, str, float]]:
+    """α (with its source) and ρ of each drafter the quantized backend speculates with, for this
+    request: measured on the quantized model's own tokens for the request's category; else the
+    request's predicted α for the target scaled by the measured ratio of the two models' mean α."""
+    quantized, spec = profile.quantized, config.speculation
+    if quantized is None or not spec.enabled:
+        return {}
+    out = {}
+    profiled = {d.name: d.kind for d in profile.drafters}  # its draft cost is the drafter's profile
+    for name in dict.fromkeys(a.drafter for a in quantized.acceptance):
+        kind = profiled.get(name)
+        if kind not in spec.drafters:
+            continue
+        measured = quantized.acceptance_for(features.category, name) if features.category else None
+        if measured is not None:
+            source = f"measured on {quantized.method} for {features.category!r}"
+            out[name] = (measured.alpha, source, measured.proposal_rate)
+            continue
+        given, ratio = features.alphas.get(name) or features.alphas.get(kind), _alpha_ratio(profile, name)
+        if given is not None and ratio is not None:
+            rho = given.proposal_rate if given.proposal_rate is not None else profile.proposal_rate(name)
+            source = f"{given.source} × {ratio:.2f} ({quantized.method}'s measured α over the target's)"
+            out[name] = (min(given.alpha * ratio, 1.0), source, rho)
+    return out
+
+
+def _alpha_ratio(profile: Profile, drafter: str) -> float | None:
+    """The quantized model's mean α with `drafter` over the target's, on the same categories."""
+    assert profile.quantized is not None
+    categories = {a.category for a in profile.quantized.acceptance if a.drafter == drafter}
+    rows = [a for a in profile.acceptance if a.drafter == drafter and a.category in categories and a.judged_tokens]
+    judged = sum(a.judged_tokens for a in rows)
+    target = sum(a.alpha * a.judged_tokens for a in rows) / judged if judged else 0.0
+    quantized = profile.quantized.mean_alpha(drafter)
+    return quantized / target if quantized is not None and target > 0 else None
+
+
+def _best_quantized(candidates: list[Candidate], b: int, config: PolicyConfig) -> Candidate | None:
+    """The quantized backend's fastest way to serve the request: plain, or speculating where the
+    speculation policy allows it at this load and it beats the quantized backend's plain decoding
+    by the policy's margin."""
+    spec = config.speculation
+    plain = next((c for c in candidates if c.drafter is None), None)
+    if plain is None:
+        return None
+    allowed = [
+        c
+        for c in candidates
+        if c.drafter is not None
+        and (spec.max_concurrency is None or b < spec.max_concurrency)
+        and c.speedup >= spec.min_speedup * plain.speedup
+    ]
+    return min([plain, *allowed], key=lambda c: c.tpot_ms)
+
+
 def _quantization_stage(
     choice: Candidate,
     stage: Stage,
@@ -280,9 +341,15 @@ def _quantization_stage(
     if gain < q.min_speedup:
         reasons.append(f"quantization: {why}, but {gain:.2f}× over {choice.backend} < {q.min_speedup:g}× required")
         return choice, stage
+    stacked = ""
+    if quantized.drafter is not None:  # quantization stacked with speculation: k adapts per step
+        stacked = (
+            f" speculating with {quantized.drafter} (α̂={quantized.alpha:.2f}, {quantized.alpha_source}; best k="
+            f"{quantized.k}: {quantized.expected_tokens:.2f} tokens per step)"
+        )
     reasons.append(
-        f"quantization: {why}; {method} at {agreement:.1%} agreement is {gain:.2f}× faster per token than "
-        f"{choice.backend} → quantized backend"
+        f"quantization: {why}; {method} at {agreement:.1%} agreement{stacked} is {gain:.2f}× faster per token "
+        f"than {choice.backend} → quantized backend"
     )
     return quantized, "quantization"
 

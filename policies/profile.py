@@ -366,6 +366,24 @@ class QuantizedProfile(_Frozen):
     max_weight_error: float | None = Field(
         None, ge=0, description="largest |w − w as the kernel computes it| (weight-only methods)"
     )
+    acceptance: list[AcceptanceProfile] = Field(
+        default_factory=list,
+        description="the quantized backend's drafters (quantized_drafters) measured on its own tokens, per "
+        "category: it is a numerical model of its own, so its acceptance is measured, not taken from the target's",
+    )
+    tile_width: int | None = Field(
+        None, ge=2, description="its passes' width where they run tiled to make speculation exact (torch)"
+    )
+
+    def acceptance_for(self, category: str, drafter: str) -> AcceptanceProfile | None:
+        """The measured acceptance of `drafter` (its profile name) in `category`, if any."""
+        return next((a for a in self.acceptance if a.category == category and a.drafter == drafter), None)
+
+    def mean_alpha(self, drafter: str) -> float | None:
+        """α of `drafter` over every measured category, weighted by judged tokens."""
+        rows = [a for a in self.acceptance if a.drafter == drafter and a.judged_tokens]
+        judged = sum(a.judged_tokens for a in rows)
+        return sum(a.alpha * a.judged_tokens for a in rows) / judged if judged else None
 
 
 class ShippedQuality(_Frozen):

@@ -19,3 +19,17 @@ QuantChoice = Literal["auto", QuantMethod]
 QUANT_CHOICES: tuple[str, ...] = ("auto", *QUANT_METHODS)
 # The choices that read no calibration activations (what a bench can quantize on the spot).
 UNCALIBRATED: tuple[str, ...] = ("auto", *WEIGHT_ONLY, "dynamic")
+
+
+def speculation_refusal(method: str) -> str | None:
+    """Why the torch quantized backend cannot speculate exactly with `method` (None: it can, with
+    width-invariant passes). The W8A8 methods scale each pass's activations by its own maximum, so a
+    token's logits depend on every other token of the pass: no pass shape makes verification give
+    the tokens plain decoding gives."""
+    if method in WEIGHT_ONLY:
+        return None
+    return (
+        f"{method} quantizes activations with one scale per pass, so a drafted token's logits depend on the rest "
+        f"of the verify pass and speculation would not be exact: speculate with {' or '.join(WEIGHT_ONLY)}, or set "
+        "quantized_drafters: []"
+    )

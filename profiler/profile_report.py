@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from policies.cost_model import knee, step_model
 from policies.estimates import ProfileCosts
-from policies.profile import Profile
+from policies.profile import Profile, QuantizedProfile
 
 COMPUTE_BOUND = 0.5  # elasticity at which the report calls a batch compute-bound (the policy default)
 
@@ -72,8 +72,23 @@ def _quantized(profile: Profile) -> list[str]:
         for b, row in zip(q.curve.batches, q.curve.seconds, strict=True):
             target = profile.target.at(b, 1)
             lines.append(f"  {b:>5} {row[0] * 1e3:14.1f} {target * 1e3:11.1f} {target / row[0]:8.2f}×")
-        lines.append("")
+        lines += [*_stacked(q), ""]
     return lines[:-1]
+
+
+def _stacked(q: QuantizedProfile) -> list[str]:
+    """Speculation on the quantized backend: its verify passes and its drafters' α on its own tokens."""
+    if not q.acceptance:
+        return []
+    tiled = f", passes tiled {q.tile_width} wide (exact)" if q.tile_width else ""
+    ks = [w - 1 for w in q.curve.widths[1:]]
+    v = ", ".join(f"v(1,{k}) {q.curve.at(1, k + 1) / q.curve.at(1, 1):.2f}" for k in ks)
+    lines = [f"{q.method} stacked with speculation{tiled}: {v}"]
+    for name in dict.fromkeys(a.drafter for a in q.acceptance):
+        rows = [a for a in q.acceptance if a.drafter == name]
+        per = ", ".join(f"{a.category} {a.alpha:.2f}" for a in rows)
+        lines.append(f"{q.method} with {name}, α on its own tokens: {per}")
+    return lines
 
 
 def _target_table(profile: Profile) -> list[str]:

@@ -60,7 +60,9 @@ from policies.engines import (
     ENGINES,
     EngineName,
     GgufWeights,
+    check_quantized_drafters,
     gguf_method,
+    quantized_drafters,
     with_engine_drafters,
 )
 from policies.profile import (
@@ -78,7 +80,7 @@ from policies.profile import (
     SampleSet,
     ShippedQuality,
 )
-from policies.quantization import QuantChoice
+from policies.quantization import QuantChoice, speculation_refusal
 
 from .hardware import machine_info
 from .predictor import cross_validate
@@ -155,6 +157,11 @@ class ProfileConfig(ModelSettings):
         description="engine llamacpp: the weight types measured for the quantized backend, the served one first "
         "(`quantization` names torch's methods); empty: none",
     )
+    quantized_drafters: list[DrafterKind] | None = Field(
+        None,
+        description="the drafters the quantized backend speculates with: its passes are timed at every width and "
+        "their acceptance measured on its own tokens (null: the engine's default, as the service's)",
+    )
     quality_tokens: int = Field(32, ge=1, le=512, description="greedy tokens per prompt the quantized quality reads")
     quality_prompts: int | None = Field(
         None, ge=1, description="prompts per category of the held-out half the quantized quality reads (default: all)"
@@ -182,7 +189,13 @@ class ProfileConfig(ModelSettings):
         if self.acceptance_k > self.max_width - 1:
             raise ValueError(f"acceptance_k ({self.acceptance_k}) needs max_width ≥ {self.acceptance_k + 1}")
         self.loop()  # the engine and weights go together (LoopSettings says how)
+        check_quantized_drafters(self.quantized_drafters, self.drafters)
         return self
+
+    @property
+    def stacked(self) -> list[DrafterKind]:
+        """The quantized backend's drafters (the engine's default unless named), among those profiled."""
+        return [k for k in quantized_drafters(self.engine, self.quantized_drafters) if k in self.drafters]
 
     def loop(self) -> LoopSettings:
         """The step loop the profiled backends run: the engine and the weights it serves."""
@@ -542,12 +555,17 @@ def measure_quantized(
     calibration_ids = [engine.encode(_request(p, 1)) for p in calibration] if needs_calibration(method) else []
     with all_cores():  # an untimed pass over every calibration token: no reason to leave a core idle
         quantized = quantize(loaded, calibration_ids, method, calibration_cache())  # type: ignore[arg-type]
-    curve = measure_curve(quantized, config, [1], f"{method} t(b, 1)", progress)
+    kinds = config.stacked if speculation_refusal(method) is None else []
+    # Speculating, its passes run width-invariant (torch's int kernels vary with width): timed so.
+    loop = config.loop().model_copy(update={"width_invariant": "on"}) if kinds else config.loop()
+    widths = list(range(1, config.max_width + 1)) if kinds else [1]
     measured = {
         "method": method,
-        "curve": curve,
+        "curve": measure_curve(quantized, config, widths, f"{method} t(b, n)", progress, loop=loop),
         "weight_bytes": quantized.info.weight_bytes,
         "max_weight_error": max_weight_error(quantized.model),
+        "acceptance": quantized_acceptance(quantized, config, kinds, loop, progress),
+        "tile_width": loop.tile(quantized.info.dtype),
     }
     if shipped is not None:
         return QuantizedProfile(
@@ -597,17 +615,38 @@ def measure_gguf_quantized(
     """The llama.cpp engine's quantized backend: the file requantized to `weights`, its 1-token pass
     timed like the target's, its quality against the float target measured as the served
     weights' is (`measure_gguf_quality`)."""
-    curve = measure_curve(loaded, config, [1], f"{weights} t(b, 1)", progress, weights)
+    kinds, loop = config.stacked, LoopSettings(engine="llamacpp", gguf_weights=weights)
+    widths = list(range(1, config.max_width + 1)) if kinds else [1]
+    curve = measure_curve(loaded, config, widths, f"{weights} t(b, n)", progress, weights)
     with all_cores():
         quality = measure_gguf_quality(reference(), loaded, weights)
     return QuantizedProfile(
         method=gguf_method(weights),
         curve=curve,
+        acceptance=quantized_acceptance(loaded, config, kinds, loop, progress),
         weight_bytes=gguf_file(loaded, weights).stat().st_size,
         agreement=quality.agreement,
         perplexity_delta=quality.perplexity_delta,
         greedy_match=quality.greedy_match,
     )
+
+
+def quantized_acceptance(
+    target: LoadedModel, config: ProfileConfig, kinds: Sequence[DrafterKind], loop: LoopSettings, progress: bool
+) -> list[AcceptanceProfile]:
+    """Acceptance of each drafter on the quantized model's own tokens (`loop`: its passes as served),
+    per category as the target's is measured: a different numerical model proposes and accepts
+    differently, so its α is measured, not taken from the target's."""
+    measured: list[AcceptanceProfile] = []
+    for kind in kinds:
+        engine = SpeculativeEngine(
+            target, build_drafter(config.drafter.of(kind), target), config.acceptance_k, settings=loop
+        )
+        try:
+            measured += measure_acceptance(engine, config, progress)[0]
+        finally:
+            engine.close()
+    return measured
 
 
 def _request(prompt: WorkloadPrompt, max_tokens: int) -> GenerationRequest:
@@ -621,6 +660,7 @@ def measure_curve(
     label: str,
     progress: bool,
     weights: GgufWeights | None = None,
+    loop: LoopSettings | None = None,
 ) -> CostCurve:
     """Fastest pass time for every batch × width, `context_tokens` cached per sequence, through
     passes shaped as the step loop runs them in this dtype (width-invariant in reduced precision at
@@ -628,8 +668,9 @@ def measure_curve(
     batch grid is swept `curve_sweeps` times, up then down, the `repeats` tries shared out among
     the sweeps: on a shared machine a slow spell of a few seconds can outlast every try of one
     batch in a row (seen: a row 30% slow), but it rarely covers the same batch minutes apart. On
-    the llama.cpp engine: its passes over the weights served (`weights`, default the config's)."""
-    context, loop, dtype = config.context_tokens, config.loop(), loaded.info.dtype
+    the llama.cpp engine: its passes over the weights served (`weights`, default the config's).
+    `loop`: the step loop's settings the passes are shaped by (default the config's)."""
+    context, loop, dtype = config.context_tokens, loop or config.loop(), loaded.info.dtype
     tile = loop.tile(dtype)
     if tile is not None and max(widths) > tile:
         raise ProfileError(

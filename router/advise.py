@@ -49,6 +49,11 @@ class BackendSummary(BaseModel):
     perplexity_delta: float | None = None
     greedy_match: float | None = Field(None, description="share of held-out prompts with identical greedy tokens")
     max_weight_error: float | None = None
+    drafters: dict[str, float | None] = Field(
+        default_factory=dict,
+        description="the drafters it speculates with and their mean α measured on its own tokens (the speculative "
+        "backend's α is per category in the profile: None here); the quantized backend's stack speculation on it",
+    )
 
 
 def backend_summaries(profile: Profile) -> list[BackendSummary]:
@@ -58,7 +63,12 @@ def backend_summaries(profile: Profile) -> list[BackendSummary]:
     quality = {} if m.quality is None else m.quality.model_dump(exclude={"method"})
     target = {"weights": m.served, "weight_bytes": m.weight_bytes, "linear_kernels": m.linear_kernels, **quality}
     rows = [
-        BackendSummary(backend="speculative", drafter_bytes=drafters, **target),
+        BackendSummary(
+            backend="speculative",
+            drafter_bytes=drafters,
+            drafters=dict.fromkeys(d.name for d in profile.drafters),
+            **target,
+        ),
         BackendSummary(backend="plain", **target),
     ]
     if q is not None:
@@ -71,6 +81,7 @@ def backend_summaries(profile: Profile) -> list[BackendSummary]:
                 perplexity_delta=q.perplexity_delta,
                 greedy_match=q.greedy_match,
                 max_weight_error=q.max_weight_error,
+                drafters={name: q.mean_alpha(name) for name in dict.fromkeys(a.drafter for a in q.acceptance)},
             )
         )
     return rows
@@ -90,6 +101,9 @@ def render_backends(rows: list[BackendSummary]) -> list[str]:
                 quality += f", perplexity {r.perplexity_delta:+.2%}"
             if r.greedy_match is not None:
                 quality += f", identical greedy answers {r.greedy_match:.0%}"
+        stacked = [f"{name} (α {alpha:.2f} on it)" for name, alpha in r.drafters.items() if alpha is not None]
+        if r.backend == "quantized" and stacked:
+            quality += f"; speculates with {', '.join(stacked)}"
         lines.append(f"  {r.backend:12} {r.weights:18} {size}{extra}{quality}")
     return lines
 

@@ -197,6 +197,20 @@ def _drafters(args: argparse.Namespace) -> list[str]:
     return _str_list(args.drafters) if args.drafters else list(default_drafters(args.engine))
 
 
+def _add_quantized_drafters_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--quantized-drafters",
+        help="comma-separated drafters the quantized backend speculates with, among --drafters (ngram, model; "
+        "none: it decodes plain; default: the engine's: ngram on llamacpp, none on torch)",
+    )
+
+
+def _quantized_drafters(args: argparse.Namespace) -> list[str] | None:
+    """--quantized-drafters as given ('none': none), else None: the engine's default."""
+    given = args.quantized_drafters
+    return None if given is None else [] if given == "none" else _str_list(given)
+
+
 def _add_profile_args(parser: argparse.ArgumentParser) -> None:
     _add_model_args(parser)
     parser.add_argument("--batches", default="1,2,4,8,16,32,64", help="batch sizes of the cost curves")
@@ -212,6 +226,7 @@ def _add_profile_args(parser: argparse.ArgumentParser) -> None:
     )
     _add_drafters_flag(parser, None, "drafters to profile")
     _add_engine_flag(parser)
+    _add_quantized_drafters_flag(parser)
     parser.add_argument(
         "--quantized-weights",
         default=DEFAULT_QUANTIZED_WEIGHTS,
@@ -435,6 +450,7 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policy", help="policy YAML (default: the built-in policy, as in deploy/policy.yaml)")
     parser.add_argument("--max-batch", type=int, default=32, help="most requests one backend batch takes")
     _add_drafters_flag(parser, None, "drafters the speculative backend loads")
+    _add_quantized_drafters_flag(parser)
     parser.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (default: $SPECROUTE_API_KEY)")
     _add_engine_flag(parser, ENGINE_CHOICES)
     parser.add_argument(
@@ -554,6 +570,7 @@ def run_serve(args: argparse.Namespace) -> int:
         engine=args.engine,
         gguf_weights=args.gguf_weights,
         quantized_weights=args.quantized_weights,
+        quantized_drafters=_quantized_drafters(args),
         # unnamed: the engine's default drafters, once an `auto` engine is decided (ServiceSettings.with_engine)
         **({"drafters": _str_list(args.drafters)} if args.drafters else {}),
     )
@@ -746,6 +763,7 @@ def run_profile(args: argparse.Namespace) -> int:
         engine=args.engine,
         gguf_weights=args.gguf_weights,
         gguf_quantized=[] if args.quantized_weights == "none" else _str_list(args.quantized_weights),
+        quantized_drafters=_quantized_drafters(args),
         acceptance_k=args.acceptance_k,
         max_tokens=args.max_tokens,
         categories=_str_list(args.categories) if args.categories else None,

@@ -126,6 +126,7 @@ def profile_config(settings: ServiceSettings, quantized_from: Path | None = None
         engine=b.engine,
         gguf_weights=b.gguf_weights,
         gguf_quantized=[] if quantized_from or b.engine != "llamacpp" else [b.quantized_weights],
+        quantized_drafters=b.quantized_drafters,
     )
 
 

@@ -82,10 +82,12 @@ def synthetic_profile(
     quantized_speed: float = 0.6,
     model_alpha: float = 0.9,
     quantized_method: str = "int4-weight-only",
+    quantized_alphas: dict[str, float] | None = None,
 ) -> Profile:
     """ngram: nearly free, α 0.8 on 'copy' and 0.1 on 'prose'; model: a draft step costing 40 % of a
     target step at batch 1, α `model_alpha`. Optionally an int8 backend `quantized_speed` × the
-    target's step time with the given token agreement."""
+    target's step time with the given token agreement (and prompt lookup's α on it per category:
+    `quantized_alphas`)."""
     drafters = [
         DrafterProfile(name="ngram", kind="ngram", batches=[1], step_seconds=[1e-4]),
         DrafterProfile(
@@ -116,6 +118,8 @@ def synthetic_profile(
             method=quantized_method,
             curve=curve(FIXED * quantized_speed, PER_TOKEN * quantized_speed),
             agreement=quantized_agreement,
+            # prompt lookup measured on the quantized model's own tokens (`quantized_alphas` per category)
+            acceptance=[acceptance(c, "ngram", a, PROPOSAL_RATES[c]) for c, a in (quantized_alphas or {}).items()],
         )
     return Profile(
         created=datetime(2026, 11, 30, tzinfo=UTC),

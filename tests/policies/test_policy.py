@@ -194,6 +194,39 @@ def test_without_a_quantized_measurement_quantization_is_not_considered():
     assert all(c.backend != "quantized" for c in decision.candidates)
 
 
+def test_the_quantized_backend_speculates_where_its_own_measured_alpha_pays():
+    profile = synthetic_profile(quantized_agreement=0.99, quantized_alphas={"copy": 0.8, "prose": 0.1})
+    decision = decide(features("copy"), load(1), profile, policy())
+    assert (decision.backend, decision.drafter, decision.stage) == ("quantized", "ngram", "quantization")
+    reason = next(r for r in decision.reasons if r.startswith("quantization"))
+    assert "speculating with ngram (α̂=0.80, measured on int4-weight-only for 'copy'" in reason
+    stacked = decision.chosen()
+    plain_q = next(c for c in decision.candidates if c.backend == "quantized" and c.drafter is None)
+    spec = max((c for c in decision.candidates if c.backend == "speculative"), key=lambda c: c.speedup)
+    assert stacked.tpot_ms < plain_q.tpot_ms and stacked.tpot_ms < spec.tpot_ms
+    # where its α is low, it decodes plain: the speculation policy's margin applies to it too
+    prose = decide(features("prose"), load(1), profile, policy())
+    assert (prose.backend, prose.drafter) == ("quantized", None)
+    assert not any("speculating" in r for r in prose.reasons)
+
+
+def test_the_quantized_backend_speculates_only_on_acceptance_measured_on_it():
+    decision = decide(features("copy"), load(1), synthetic_profile(quantized_agreement=0.99), policy())
+    assert [c.drafter for c in decision.candidates if c.backend == "quantized"] == [None]
+    off = policy(speculation={"enabled": False})
+    profile = synthetic_profile(quantized_agreement=0.99, quantized_alphas={"copy": 0.8})
+    assert decide(features("copy"), load(1), profile, off).drafter is None
+
+
+def test_an_unprofiled_prompt_scales_its_predicted_alpha_by_the_measured_ratio():
+    # the quantized model's prompt lookup accepts 0.9× what the target's does on the same categories
+    profile = synthetic_profile(quantized_agreement=0.99, quantized_alphas={c: 0.9 * a for c, a in ALPHAS.items()})
+    decision = decide(features(None, ngram=0.8), load(1), profile, policy())
+    stacked = next(c for c in decision.candidates if c.backend == "quantized" and c.drafter == "ngram")
+    assert stacked.alpha == pytest.approx(0.72)
+    assert "× 0.90 (int4-weight-only's measured α over the target's)" in (stacked.alpha_source or "")
+
+
 def test_the_last_reason_reports_the_slo():
     decision = decide(features("copy"), load(1), synthetic_profile(), policy())
     assert decision.reasons[-1].startswith("slo: predicted TTFT") and decision.reasons[-1].endswith("met")

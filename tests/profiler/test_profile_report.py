@@ -56,6 +56,18 @@ def test_acceptance_rows_show_each_categorys_measured_rates(lines):
     assert table[("prose", "model:draft@bfloat16")][:4] == ["8", "1.00", "0.90", "0.90"]
 
 
+def test_the_quantized_section_says_what_speculation_on_it_measured():
+    profile = synthetic_profile(quantized_agreement=0.97, quantized_alphas={"copy": 0.8, "prose": 0.1})
+    lines = render_profile(profile).splitlines()
+    q = profile.quantized
+    assert q is not None
+    v4 = q.curve.at(1, 5) / q.curve.at(1, 1)
+    stacked = next(line for line in lines if line.startswith("int4-weight-only stacked with speculation: "))
+    assert f"v(1,4) {v4:.2f}" in stacked
+    assert "int4-weight-only with ngram, α on its own tokens: copy 0.80, prose 0.10" in lines
+    assert all(r[0].isdigit() for r in rows(lines, "quantized backend"))  # the speed table ends before them
+
+
 def test_the_quantized_section_shows_method_agreement_and_speed_against_the_target(lines):
     assert "quantized backend int4-weight-only (served): agreement with the target 97.0% (teacher-forced)" in lines
     table = {int(r[0]): r[1:] for r in rows(lines, "quantized backend")}

@@ -549,7 +549,11 @@ def test_a_llamacpp_profile_measures_that_engine_and_its_weights_quality(llamacp
     assert {a.category for a in llama.acceptance} == {"chat", "math"} and llama.acceptance_source == "measured"
     assert any("measuring acceptance on llamacpp" in line for line in lines)
     q = llama.quantized
-    assert q is not None and q.method == "llamacpp-Q8_0" and q.curve.widths == [1]
+    assert q is not None and q.method == "llamacpp-Q8_0"
+    # stacked with prompt lookup (the engine's default): its verify passes timed, α on its own tokens
+    assert q.curve.widths == [1, 2, 3, 4] and q.tile_width is None
+    assert {(a.category, a.drafter) for a in q.acceptance} == {("chat", "ngram"), ("math", "ngram")}
+    assert all(a.judged_tokens > 0 for a in q.acceptance)
     assert q.weight_bytes is not None and q.weight_bytes > m.weight_bytes  # 8 bits a weight against the file's ~4.5
     assert llama.serving("llamacpp-Q8_0").quantized == q
 
@@ -561,3 +565,6 @@ def test_a_llamacpp_profile_has_a_path_of_its_own():
     assert path != default_profile_path("embedded", "float32", "cpu")
     with pytest.raises(ValueError, match="set engine llamacpp"):
         ProfileConfig(gguf_weights="Q8_0")
+    with pytest.raises(ValueError, match="quantized_drafters: model cannot draft for the quantized backend"):
+        ProfileConfig(drafters=["ngram"], quantized_drafters=["model"])
+    assert config.stacked == ["ngram"] and ProfileConfig().stacked == []

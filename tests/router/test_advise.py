@@ -126,3 +126,13 @@ def test_the_backends_table_counts_a_packed_copy_of_the_weights(kernels):
     lines = render_backends(rows)[1:]
     packed = [line for line in lines if "+ packed copy 3 MiB" in line]
     assert [line.split()[0] for line in packed] == (["speculative", "plain"] if kernels == "packed" else [])
+
+
+def test_the_backends_table_says_what_the_quantized_backend_speculates_with():
+    stacked = backend_summaries(
+        synthetic_profile(quantized_agreement=0.97, quantized_alphas={"copy": 0.8, "prose": 0.2})
+    )
+    assert stacked[2].drafters == {"ngram": pytest.approx(0.5)}  # weighted by judged tokens, equal here
+    assert "speculates with ngram (α 0.50 on it)" in render_backends(stacked)[3]
+    plain = backend_summaries(synthetic_profile(quantized_agreement=0.97))
+    assert plain[2].drafters == {} and "speculates" not in render_backends(plain)[3]
