@@ -68,19 +68,33 @@ def batch_context(rows: Sequence[SimRequest]) -> int:
 
 
 class SpeculativeModel:
-    """The speculative backend: each step `plan_step` chooses every drafter's k for the live batch
-    from the measured pass times by width and the drafters' step costs, as the replica's step loop
-    does — but with each drafter's cost at the whole batch and no catch-up reading (see the
-    report's notes); rows whose drafter is None ride as plain rows."""
+    """The speculative backend (or the quantized one speculating: its `curve`, its prefill scaled
+    by `prefill_scale`): each step `plan_step` chooses every drafter's k for the live batch from the
+    measured pass times by width and the drafters' step costs, as the replica's step loop does — but
+    with each drafter's cost at the whole batch and no catch-up reading (see the report's notes);
+    rows whose drafter is None ride as plain rows."""
 
-    def __init__(self, profile: Profile, acceptance: Mapping[int, Acceptance], k_max: int):
+    def __init__(
+        self,
+        profile: Profile,
+        acceptance: Mapping[int, Acceptance],
+        k_max: int,
+        curve: CostCurve | None = None,
+        prefill_scale: float = 1.0,
+    ):
         self.costs, self.acceptance = ProfileCosts(profile), acceptance
-        self.k_max = min(k_max, profile.target.max_width - 1)
+        self.curve, self.scale = curve or profile.target, prefill_scale
+        self.k_max = min(k_max, self.curve.max_width - 1)
         self.profile = profile
         self._cache: dict[tuple, tuple[float, dict[str | None, int]]] = {}
 
     def prefill_seconds(self, tokens: int, running: int) -> float:
-        return self.profile.prefill.per_token(1, tokens)
+        return self.profile.prefill.per_token(1, tokens) * self.scale
+
+    def pass_seconds(self, batch: int, width: int, context: int) -> float:
+        # Attention over the cache runs in float whatever the weights: context adds the target's seconds.
+        grown = self.profile.pass_seconds(batch, width, context) - self.profile.target.at(batch, width)
+        return self.curve.at(batch, width) + grown
 
     def decode_step(self, rows: Sequence[SimRequest]) -> tuple[float, list[float]]:
         outlooks = [self._outlook(r) for r in rows]
@@ -104,7 +118,7 @@ class SpeculativeModel:
         drafting, then a wide pass unless no row proposed (probability Π(1 − ρ) over the drafting
         rows), else a 1-token pass; every pass over `context` cached tokens a row."""
         b = len(outlooks)
-        passes = [self.profile.pass_seconds(b, w, context) for w in self.profile.target.widths]
+        passes = [self.pass_seconds(b, w, context) for w in self.curve.widths]
         drafts = {d.name: d.step_at(b) for d in self.profile.drafters}
         ks = plan_step(outlooks, passes, drafts, self.k_max)
         k_of: dict[str | None, int] = {}
@@ -123,10 +137,13 @@ def backend_model(profile: Profile, backend: str, acceptance: Mapping[int, Accep
     if backend == "plain":
         return CurveModel(profile, profile.target)
     if backend == "quantized":
-        if profile.quantized is None:
+        q = profile.quantized
+        if q is None:
             raise ValueError("the profile has no quantized backend measured")
-        scale = profile.quantized.curve.at(1, 1) / profile.target.at(1, 1)
-        return CurveModel(profile, profile.quantized.curve, scale)
+        scale = q.curve.at(1, 1) / profile.target.at(1, 1)
+        if q.acceptance and q.curve.max_width > 1:  # it speculates: rows the policy sent with a drafter draft
+            return SpeculativeModel(profile, acceptance, k_max, q.curve, scale)
+        return CurveModel(profile, q.curve, scale)
     if backend == "speculative":
         return SpeculativeModel(profile, acceptance, k_max)
     raise ValueError(f"unknown backend {backend!r}")
@@ -158,24 +175,27 @@ class PolicyRouter:
     _decisions: dict[tuple, Decision] = field(default_factory=dict, repr=False)
 
     def __call__(self, request: SimRequest, in_flight: Mapping[str, int]) -> str:
-        backend, drafter = self._decide(request, in_flight)
+        backend, drafter, decision = self._decide(request, in_flight)
         if backend == "speculative" and drafter is not None:
             self.chosen[request.id] = self._acceptance(request, drafter)
+        elif backend == "quantized" and drafter is not None:  # the α the policy gave the quantized model
+            stacked = decision.chosen()
+            self.chosen[request.id] = Acceptance(drafter, stacked.alpha or 0.0, stacked.proposal_rate)
         keys = [replica_key(backend, i) for i in range(self.replicas)]
         return min(keys, key=lambda k: in_flight.get(k, 0))
 
-    def _decide(self, request: SimRequest, in_flight: Mapping[str, int]) -> tuple[str, str | None]:
+    def _decide(self, request: SimRequest, in_flight: Mapping[str, int]) -> tuple[str, str | None, Decision]:
         per_backend: dict[str, int] = {}
         for key, n in in_flight.items():
             per_backend[backend_of(key)] = per_backend.get(backend_of(key), 0) + n
         decision = self._decision(request, per_backend)
         if self.mode == "auto":
-            return decision.backend, decision.drafter
+            return decision.backend, decision.drafter, decision
         if self.mode != "speculative":
-            return self.mode, None
+            return self.mode, None, decision
         specs = [c for c in decision.candidates if c.backend == "speculative"]
         best = max(specs, key=lambda c: c.speedup, default=None)
-        return "speculative", best.drafter if best else None
+        return "speculative", best.drafter if best else None, decision
 
     def _decision(self, request: SimRequest, per_backend: dict[str, int]) -> Decision:
         """`decide` for this request at this load, remembered: the same prompt (length, category,

@@ -860,6 +860,12 @@ def _add_report_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--compare-profile", action="append", default=[], help="another machine's profile to what-if (repeatable)"
     )
+    parser.add_argument(
+        "--no-other-engine",
+        action="store_true",
+        help="do not what-if the embedded model's profile on this machine's other engine (torch / llama.cpp) "
+        "beside the default profile",
+    )
     parser.add_argument("--policy", help="policy YAML (default: the built-in policy)")
     parser.add_argument("--requests", type=int, default=1200, help="simulated requests per what-if run")
     parser.add_argument("--max-replicas", type=int, default=64, help="most replicas the sizing tries")
@@ -884,6 +890,7 @@ def run_report(args: argparse.Namespace) -> int:
         bench_spec=args.bench_spec,
         model_fit=args.model_fit,
         compare_profiles=args.compare_profile,
+        other_engine=not args.no_other_engine,
         policy=args.policy,
         requests=args.requests,
         max_replicas=args.max_replicas,

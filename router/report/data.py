@@ -16,7 +16,9 @@ class _Part(BaseModel):
 class InputFile(_Part):
     """One input of the report and what became of it."""
 
-    name: str = Field(description="profile, bench load, bench spec, model fit, workload, compare profile")
+    name: str = Field(
+        description="profile, bench load, bench spec, model fit, workload, compare profile, the other engine's profile"
+    )
     path: str | None = Field(description="where it was read from; None when missing")
     created: str | None = Field(None, description="when it was measured or written, as it says")
     status: str = Field(description="'read', 'measured now', or 'missing: <how to get it>'")

@@ -10,6 +10,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from backends.scheduler import LoopSettings
 from policies.config import PolicyConfig, default_policy, load_policy
 from policies.errors import UserError
 from policies.profile import Profile
@@ -41,6 +42,11 @@ class ReportConfig(BaseModel):
     bench_spec: str | None = Field(None, description="`bench spec --out` JSON (default: ./bench-spec.json if any)")
     model_fit: str | None = Field(None, description="`bench model-fit --out` JSON (default: ./bench-model-fit.json)")
     compare_profiles: list[str] = Field(default_factory=list, description="profiles of other machines to what-if")
+    other_engine: bool = Field(
+        True,
+        description="with the default profile: also what-if the embedded model's profile on this machine's other "
+        "engine (torch / llama.cpp) where SPECROUTE_HOME has one, so the candidates include both engines",
+    )
     policy: str | None = Field(None, description="policy YAML (default: the built-in policy)")
     requests: int = Field(1200, ge=50, le=200_000, description="simulated requests per what-if run")
     max_replicas: int = Field(64, ge=1, le=4096, description="most replicas the sizing tries")
@@ -74,12 +80,29 @@ def read_inputs(config: ReportConfig) -> Inputs:
     fit = _optional(
         config.model_fit, "fit", ModelFitReport, "bench model-fit", "run `specroute bench model-fit`", files
     )
-    compare = []
+    compare = _other_engine(profile, files) if config.other_engine and not config.profile else []
     for path in config.compare_profiles:
         other = Profile.load(Path(path))
         compare.append((path, other))
         files.append(r.InputFile(name="compare profile", path=path, created=timestamp(other.created), status="read"))
     return Inputs(profile, policy, workload, [x for x in loads if x is not None], spec, fit, compare, files)
+
+
+def _other_engine(profile: Profile, files: list[r.InputFile]) -> list[tuple[str, Profile]]:
+    """The embedded model's profile on the engine `profile` was not measured on (llama.cpp's of the
+    file as shipped, or torch's float32), labelled by its engine, if this machine has one."""
+    llamacpp = profile.model.engine == "llamacpp"
+    path = default_profile_path() if llamacpp else default_profile_path(loop=LoopSettings(engine="llamacpp"))
+    name = "torch" if llamacpp else "llama.cpp"
+    if not path.is_file():
+        how = f"run `specroute profile --engine {'torch' if llamacpp else 'llamacpp'}`"
+        files.append(r.InputFile(name=f"{name} engine profile", path=None, status=f"missing: {how}"))
+        return []
+    other = Profile.load(path)
+    files.append(
+        r.InputFile(name=f"{name} engine profile", path=str(path), created=timestamp(other.created), status="read")
+    )
+    return [(f"this machine on {name} ({other.model.served})", other)]
 
 
 def _optional(

@@ -82,6 +82,25 @@ def test_the_router_speculates_where_the_policy_does_and_batches_elsewhere():
     assert backend_of(router(request(2, "copy"), {replica_key("plain", 0): 63})) == "plain"
 
 
+def test_a_speculating_quantized_backend_is_simulated_on_its_own_passes_and_alpha():
+    profile = synthetic_profile(quantized_agreement=0.99, quantized_alphas={"copy": 0.7, "prose": 0.1})
+    q = profile.quantized
+    assert q is not None
+    router = PolicyRouter(profile, PolicyConfig(speculation={"drafters": [NGRAM]}), "auto")
+    assert backend_of(router(request(0, "copy"), {})) == "quantized"
+    assert router.chosen[0] == Acceptance(NGRAM, 0.7, 1.0)  # measured on the quantized model, not the target's 0.8
+    model = backend_model(profile, "quantized", router.chosen, 8)
+    assert isinstance(model, SpeculativeModel)
+    seconds, tokens = model.decode_step([request(0)])
+    k = _k_from(tokens[0], 0.7, 1.0)
+    assert seconds == pytest.approx(k * 1e-4 + q.curve.at(1, k + 1), rel=1e-6)  # its own verify pass
+    assert model.prefill_seconds(136, 0) == pytest.approx(
+        CurveModel(profile, profile.target).prefill_seconds(136, 0) * 0.6
+    )
+    # without α measured on it, the quantized backend decodes plain
+    assert isinstance(backend_model(synthetic_profile(quantized_agreement=0.99), "quantized", {}, 8), CurveModel)
+
+
 def test_a_forced_mode_takes_its_backend_and_replicas_share_the_load():
     profile = synthetic_profile()
     router = PolicyRouter(profile, default_policy(), "plain", replicas=3)

@@ -20,7 +20,7 @@ from router.load_report import LoadReport
 from router.report import latest_dir, measure
 from router.report.build import build_report
 from router.report.data import Report
-from router.report.inputs import ReportConfig, ReportError
+from router.report.inputs import ReportConfig, ReportError, _other_engine, read_inputs
 from router.report.render import load_report, render_html, render_markdown, write_report
 from router.report.simulate import SIM_TOLERANCE, fewest_replicas, validate
 from tests.chromium import render
@@ -182,10 +182,28 @@ def test_with_only_a_profile_the_report_names_what_is_missing(tmp_path, monkeypa
     assert status["profile"] == "read"
     for bench in ("bench load", "bench spec", "bench model-fit"):
         assert status[bench].startswith("missing: run `specroute")
+    assert status["llama.cpp engine profile"] == "missing: run `specroute profile --engine llamacpp`"
     assert report.validation.rows == [] and report.validation.within_tolerance is None
     assert "not validated" in report.recommendation.uncertainty[0]
     assert {p.name for p in report.plots}.isdisjoint({"load.png", "validation.png"})
     assert report.what_if and report.sizing
+
+
+def test_the_default_profile_is_what_iffed_beside_the_other_engines(tmp_path, monkeypatch, profile):
+    home = tmp_path / "home"
+    (home / "profiles").mkdir(parents=True)
+    shutil.copy(PROFILE, home / "profiles" / "embedded-float32-cpu.json")
+    model = profile.model.model_copy(update={"engine": "llamacpp", "gguf_weights": "file"})
+    llama = profile.model_copy(update={"model": model})
+    (home / "profiles" / "embedded-llamacpp-file-cpu.json").write_text(llama.model_dump_json())
+    monkeypatch.setenv("SPECROUTE_HOME", str(home))
+    inputs = read_inputs(ReportConfig(workload=str(WORKLOAD), out=str(tmp_path / "out")))
+    assert [label for label, _ in inputs.compare] == ["this machine on llama.cpp (llama.cpp file)"]
+    assert {i.name: i.status for i in inputs.files}["llama.cpp engine profile"] == "read"
+    config = ReportConfig(workload=str(WORKLOAD), out=str(tmp_path / "out"), other_engine=False)
+    assert read_inputs(config).compare == []
+    # and beside a llama.cpp profile, torch's
+    assert [label for label, _ in _other_engine(llama, [])] == ["this machine on torch (float32)"]
 
 
 def test_fewest_replicas_bisects_to_the_smallest_count_that_meets_the_slo():
