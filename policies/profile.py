@@ -11,6 +11,7 @@ from __future__ import annotations
 import bisect
 import math
 import statistics
+from collections.abc import Sequence
 from datetime import datetime
 from functools import cached_property
 from pathlib import Path
@@ -542,10 +543,12 @@ class Profile(_Frozen):
             return self.quantized if self.quantized is not None and self.quantized.method in WEIGHT_ONLY else None
         return next((q for q in [self.quantized, *self.quantized_others] if q is not None and q.method == method), None)
 
-    def serving(self, method: str) -> Profile:
+    def serving(self, method: str, drafters: Sequence[str] | None = None) -> Profile:
         """This profile with `method` as the quantized backend's served method (what the cost model
         and the policy read as `quantized`); refuses a method the profile did not measure, except in
-        a provisional profile that measured none yet (the policy does not route there until it has)."""
+        a provisional profile that measured none yet (the policy does not route there until it has).
+        `drafters`: the kinds the served quantized backend speculates with (None: as measured); its
+        acceptance with others is dropped, so the policy never sends a drafter it does not load."""
         chosen = self.quantized_method(method)
         if chosen is None and self.provisional and self.quantized is None and not self.quantized_others:
             return self
@@ -556,6 +559,10 @@ class Profile(_Frozen):
                 f"run `specroute profile --quantization {method}`"
             )
         others = [q for q in [self.quantized, *self.quantized_others] if q is not None and q is not chosen]
+        if drafters is not None:
+            kinds = {d.name: d.kind for d in self.drafters}
+            kept = [a for a in chosen.acceptance if kinds.get(a.drafter) in drafters]
+            chosen = chosen.model_copy(update={"acceptance": kept})
         return self.model_copy(update={"quantized": chosen, "quantized_others": others})
 
     def pass_seconds(self, batch: float, width: int, context: float | None = None) -> float:

@@ -184,12 +184,13 @@ class RouterCore:
         self.policy_error = None
         return True
 
-    def apply_profile(self, path: Path, quantization: str = "auto") -> bool:
+    def apply_profile(self, path: Path, quantization: str = "auto", stacked: list[str] | None = None) -> bool:
         """Route with the profile at `path` from now on (the full measurement replacing a
-        provisional one), served with the quantized method `quantization`; one that cannot be read
-        or profiles another model or dtype is refused and the current one stays."""
+        provisional one), served with the quantized method `quantization` speculating with the
+        drafter kinds `stacked` (None: as measured); one that cannot be read or profiles another
+        model or dtype is refused and the current one stays."""
         try:
-            profile = Profile.load(path).serving(quantization)
+            profile = Profile.load(path).serving(quantization, stacked)
             now, new = self.profile.model, profile.model
             if (new.name, new.served) != (now.name, now.served):
                 raise ProfileError(
@@ -262,6 +263,8 @@ class RouterCore:
         elif backend == "speculative" and prepared.options.drafter:
             drafter = self.profile.drafter(prepared.options.drafter).name
         alpha = features.alphas.get(drafter).alpha if drafter in features.alphas else None
+        if backend == "quantized" and drafter is not None:  # the quantized model's own α, as the policy read it
+            alpha = decision.chosen().alpha
         return Routed(
             backend, drafter, k, stage, reasons, decision.concurrency, alpha, decision, features, self.weights(backend)
         )
@@ -366,7 +369,8 @@ class RouterCore:
         α from accepted of judged tokens, ρ from drafts of the steps that asked for them (a request
         whose drafter never proposed still says ρ was 0, though it judged nothing)."""
         stats = result.speculation
-        if stats is None or routed.retried:
+        # The predictors are the target's: the quantized model's acceptance is its own (profiled apart).
+        if stats is None or routed.retried or routed.backend == "quantized":
             return
         text, turns = prepared.request.text_and_turns()
         evidence = [(self.predictors.alpha, "α", stats.accepted_tokens, stats.judged_tokens)]

@@ -34,7 +34,7 @@ from backends.loop_metrics import LoopSnapshot
 from backends.models import load_tokenizer
 from backends.streaming import StreamEvent
 from policies.config import PolicyConfig, default_policy, load_policy
-from policies.engines import EngineName, default_drafters, gguf_method
+from policies.engines import EngineName, default_drafters, gguf_method, quantized_drafters
 from policies.profile import Profile, ProfileError
 from policies.serving_dtype import DEFAULT_DTYPE, DtypeChoice, choose_engine
 from profiler.profiling import default_profile_path
@@ -201,7 +201,8 @@ class Router:
         s = ServiceSettings.model_validate(settings)
         assert s.dtype_choice is not None and s.profile_data is not None  # build_app decides both first
         self.quantization = quantization_served(s.backend)
-        profile = Profile.model_validate(s.profile_data).serving(self.quantization)
+        self.stacked = quantized_drafters(s.backend.engine, s.backend.quantized_drafters)  # type: ignore[arg-type]
+        profile = Profile.model_validate(s.profile_data).serving(self.quantization, self.stacked)
         ensure_model_here(s.backend.model)  # the tokenizer comes with the model
         tokenizer = load_tokenizer(s.backend.model)
         policy = load_policy(s.policy) if s.policy else default_policy()
@@ -225,7 +226,7 @@ class Router:
         if config and "policy" in config:
             self.core.apply_policy(config["policy"], "user_config.policy")
         if config and config.get("profile"):
-            self.core.apply_profile(Path(config["profile"]), self.quantization)
+            self.core.apply_profile(Path(config["profile"]), self.quantization, self.stacked)
 
     def in_flight(self) -> int:
         """Requests this replica is running (`specroute serve` pauses its background profiler while any are)."""

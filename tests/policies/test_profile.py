@@ -215,3 +215,11 @@ def test_a_provisional_profile_may_leave_the_quantized_backend_to_the_full_run()
     assert probe.serving("auto") is probe and "no quantized backend measured" in probe.coverage()
     with pytest.raises(ProfileError, match="no quantized backend 'auto' measured"):
         synthetic_profile().serving("auto")
+
+
+def test_serving_drops_the_quantized_acceptance_of_drafters_the_backend_does_not_load():
+    profile = synthetic_profile(quantized_agreement=0.99, quantized_alphas={"copy": 0.7})
+    assert profile.serving("int4-weight-only").quantized.acceptance  # as measured
+    assert profile.serving("int4-weight-only", ["ngram"]).quantized.acceptance
+    served = profile.serving("int4-weight-only", [])
+    assert served.quantized.acceptance == [] and served.quantized.curve == profile.quantized.curve

@@ -111,11 +111,11 @@ def finish_speculative(tokenizer, stats: SpeculationStats, requests: int = 1) ->
     return router
 
 
-def predicted(router: RouterCore) -> tuple[float, float]:
+def predicted(router: RouterCore, category: str = "prose") -> tuple[float, float]:
     """(α, ρ) the router's predictors give ngram on the test request's prompt."""
     text, tokens = "prose prompt 1", 40
-    alpha = router.predictors.alpha.predict(text, 1, tokens, "ngram", "prose").alpha
-    rho = router.predictors.proposal_rate.predict(text, 1, tokens, "ngram", "prose").alpha
+    alpha = router.predictors.alpha.predict(text, 1, tokens, "ngram", category).alpha
+    rho = router.predictors.proposal_rate.predict(text, 1, tokens, "ngram", category).alpha
     return alpha, rho
 
 
@@ -133,6 +133,22 @@ def test_finished_requests_correct_both_the_alpha_and_the_proposal_rate_predicti
     router = finish_speculative(tokenizer, silent, requests=5)
     alpha_silent, rho_silent = predicted(router)
     assert alpha_silent == alpha_before and rho_silent < rho_before - 0.1
+
+
+def test_a_request_speculating_on_the_quantized_backend_shows_its_alpha_and_teaches_the_target_nothing(tokenizer):
+    profile = synthetic_profile(quantized_agreement=0.99, quantized_alphas={"copy": 0.7, "prose": 0.1})
+    stats = SpeculationStats(drafter="ngram", k_mode="auto", requested_steps=50, drafts=50, judged_tokens=40)
+    router = RouterCore(profile, PolicyConfig(), tokenizer, SpeculativePool(stats))
+    prepared = router.prepare(*request("copy"))
+    routed = router.route(prepared)
+    assert (routed.backend, routed.drafter, routed.predicted_alpha) == ("quantized", "ngram", 0.7)
+    before = predicted(router, "copy")
+
+    async def run():
+        return [e async for e in router.run(prepared, routed)]
+
+    asyncio.run(run())
+    assert predicted(router, "copy") == before  # α 0 on the quantized model is not the target's
 
 
 @pytest.mark.parametrize(("agreement", "below"), [(None, ["quantized"]), (0.90, ["quantized"]), (0.95, []), (0.99, [])])
