@@ -319,14 +319,16 @@ def served_profile(settings: BackendSettings) -> Profile | None:
 
 def _quantized_costs(target: LoadedModel, settings: BackendSettings, widest: int) -> StepCosts:
     """The quantized target's step costs: the profile's curve of it where it measured these verify
-    widths (and the served method), else probed at start, before any request's clock starts."""
+    widths (and the served method), widths it lacks probed before any request's clock starts; else
+    each batch bucket probed on first use. Not at start: without its curve measured the profile is
+    a first start's probe, and the policy routes nothing there until the full profile measures it
+    (probing every bucket would hold up the service's first answer by half a minute here)."""
     profile = served_profile(settings)
     measured = profile.quantized if profile is not None else None
     method = gguf_method(settings.quantized_weights) if settings.engine == "llamacpp" else target.info.dtype
-    if measured is not None and measured.method == method and measured.curve.max_width >= widest:
-        costs = seeded_step_costs(target, measured.curve, settings, widest)
-    else:
-        costs = step_costs(target, widest, settings)
+    if measured is None or measured.method != method or measured.curve.max_width < 2:
+        return step_costs(target, widest, settings)
+    costs = seeded_step_costs(target, measured.curve, settings, widest)
     costs.ensure(settings.max_batch)
     return costs
 

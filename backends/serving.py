@@ -56,6 +56,7 @@ class ServingLoop:
         self.posts: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self.wake = threading.Event()
         self.thread: threading.Thread | None = None
+        self.closed = False
         self.durations: deque[float] = deque(maxlen=RECENT)
 
     async def stream(self, request: GenerationRequest, drafter: str | None = None) -> AsyncIterator[StreamEvent]:
@@ -98,7 +99,7 @@ class ServingLoop:
                     return
         finally:
             self.outstanding -= 1
-            if not ticket.ended:  # the client left (or the request failed): free its row
+            if not ticket.ended and not self.closed:  # the client left (or the request failed): free its row
                 self._post(lambda: ticket.row is not None and self.scheduler.cancel(ticket.row))
 
     def retry_after_s(self) -> int:
@@ -109,16 +110,32 @@ class ServingLoop:
         return max(1, math.ceil(mean / self.scheduler.settings.max_batch))
 
     def _post(self, action: Callable[[], None]) -> None:
+        if self.closed:
+            raise RuntimeError("the step loop is closed")
         if self.thread is None or not self.thread.is_alive():
             self.thread = threading.Thread(target=self._run, name="step-loop", daemon=True)
             self.thread.start()
         self.posts.put(action)
         self.wake.set()
 
+    def close(self) -> None:
+        """Stop the loop's thread once its step is done, then free the engine's memory (a llama.cpp
+        context): freed under a step still finishing — a row's release after its last token was
+        streamed — the engine would be used after it is gone. Requests still held fail."""
+        self.closed = True
+        self.wake.set()
+        if self.thread is not None:
+            self.thread.join()
+        if not self.scheduler.idle:
+            self.scheduler.abort(RuntimeError("the backend closed its step loop"))
+        self.scheduler.close()
+
     def _run(self) -> None:
-        while True:
+        while not self.closed:
             self.wake.clear()
             self._apply_posts()
+            if self.closed:
+                return
             if self.scheduler.idle:
                 self.wake.wait()
                 continue

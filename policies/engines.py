@@ -34,10 +34,13 @@ GGUF_WEIGHTS: tuple[GgufWeights, ...] = get_args(GgufWeights)
 DEFAULT_QUANTIZED_WEIGHTS: GgufWeights = "Q8_0"
 
 
+GGUF_METHOD_PREFIX = "llamacpp-"
+
+
 def gguf_method(weights: GgufWeights) -> str:
     """The quantization method name a profile and the policy give the llama.cpp engine serving
     `weights` (a quantized backend is named by its method, as torch's int4-weight-only is)."""
-    return f"llamacpp-{weights}"
+    return f"{GGUF_METHOD_PREFIX}{weights}"
 
 
 def default_drafters(engine: EngineName) -> list[DrafterKind]:

@@ -388,12 +388,16 @@ class QuantizedProfile(_Frozen):
 
 
 class ShippedQuality(_Frozen):
-    """A quantized model's agreement with the full-precision target: a property of the two models."""
+    """A quantized model's agreement with the full-precision target: a property of the two models
+    (for llama.cpp's weights, of its kernels too: its 8-bit activations round as the CPU's kernels do)."""
 
     method: str
     agreement: float = Field(ge=0, le=1)
     perplexity_delta: float | None = None
     greedy_match: float | None = Field(None, ge=0, le=1)
+    measured_on: str | None = Field(
+        None, description="where and when, if not with the seed's acceptance (llama.cpp's weights: their own run)"
+    )
 
 
 class ModelSummary(_Frozen):

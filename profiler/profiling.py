@@ -58,6 +58,7 @@ from policies.drafters import SERVED_KINDS, DrafterConfig, DrafterKind, spec
 from policies.engines import (
     DEFAULT_QUANTIZED_WEIGHTS,
     ENGINES,
+    GGUF_METHOD_PREFIX,
     EngineName,
     GgufWeights,
     check_quantized_drafters,
@@ -288,9 +289,13 @@ def run_profile(
     # read once for every method
     reference = functools.cache(lambda: quality_reference(loaded, config.quality_prompts, config.quality_tokens))
     if loop.engine == "llamacpp":
-        qualities: list[ShippedQuality | None] = []
+        # A probe takes the weights' shipped quality (the slowest part of its run); the full profile measures it.
+        shipped_served = _shipped_quality(seed, config, gguf_method(loop.gguf_weights)) if config.probe else None
+        qualities: list[ShippedQuality | None] = [shipped_served]
+        served = shipped_served or served_quality(loaded, loop, reference)
         quantized = [measure_gguf_quantized(loaded, config, w, progress, reference) for w in config.gguf_quantized]
     else:
+        served = None  # the float target is the reference
         methods = list(dict.fromkeys(resolve_method(loaded, choice) for choice in config.quantization))
         qualities = [_shipped_quality(seed, config, method) for method in methods]
         quantized = [
@@ -300,7 +305,7 @@ def run_profile(
     return Profile(
         created=datetime.now(UTC),
         machine=machine_info().model_dump(),
-        model=_model_summary(loaded, loop, served_quality(loaded, loop, reference)),
+        model=_model_summary(loaded, loop, served),
         libraries={name: version(name) for name in ("torch", "transformers", "scikit-learn", "numpy")},
         settings=config.model_dump(mode="json"),
         target=target,
@@ -329,8 +334,12 @@ def _probe_acceptance(config: ProfileConfig, log: Callable[[str], None]) -> Prof
 
 
 def _shipped_quality(seed: AcceptanceSeed | None, config: ProfileConfig, method: str) -> ShippedQuality | None:
-    """The seed's quality of `method`, if it was measured the way this profile would measure it."""
-    if seed is None or any(seed.settings.get(name) != getattr(config, name) for name in QUALITY_SETTINGS):
+    """The seed's quality of `method`, if it was measured as this profile would measure it: as many
+    greedy tokens a prompt, on at least as many prompts (a probe reads fewer than the full run)."""
+    if seed is None or seed.settings.get("quality_tokens") != config.quality_tokens:
+        return None
+    shipped, asked = seed.settings.get("quality_prompts"), config.quality_prompts
+    if shipped is not None and (asked is None or not isinstance(shipped, int) or shipped < asked):
         return None
     return seed.quality_of(method)
 
@@ -501,8 +510,11 @@ def training_set(config: ProfileConfig) -> dict[str, list[TrainingPrompt]]:
 
 def write_seed(profile: Profile, path: Path | None = None) -> Path:
     """The machine-independent half of a fully measured profile of the embedded default (float32
-    or bfloat16), as the acceptance that ships with specroute for that dtype."""
+    or bfloat16), as the acceptance that ships with specroute for that dtype; of a llama.cpp
+    profile, its weights' measured quality, added to the float32 seed (`ship_llamacpp_quality`)."""
     model = profile.model
+    if model.engine == "llamacpp":
+        return ship_llamacpp_quality(profile, path)
     if model.name != EMBEDDED_NAME or model.dtype not in SEED_DTYPES or model.fingerprint is None:
         raise ProfileError(
             f"acceptance ships only for the embedded default in {' or '.join(SEED_DTYPES)} (this is {model.name} "
@@ -521,10 +533,36 @@ def write_seed(profile: Profile, path: Path | None = None) -> Path:
         drafters=[DrafterName(name=d.name, kind=d.kind) for d in profile.drafters],
         acceptance=list(profile.acceptance),
         samples=list(profile.samples),
-        quality=shipped_quality(profile),
+        quality=shipped_quality(profile) + _llamacpp_qualities(path or seed_path(model.name, dtype=model.dtype)),
     )
     target = path or seed_path(model.name, dtype=model.dtype)
     seed.save(target)
+    return target
+
+
+def _llamacpp_qualities(path: Path) -> list[ShippedQuality]:
+    """The llama.cpp weights' qualities the seed at `path` ships (kept when torch's are re-shipped)."""
+    old = AcceptanceSeed.load(path) if path.is_file() else None
+    return [q for q in old.quality if q.method.startswith(GGUF_METHOD_PREFIX)] if old else []
+
+
+def ship_llamacpp_quality(profile: Profile, path: Path | None = None) -> Path:
+    """A llama.cpp profile's weights' quality against the float target (the served weights' and each
+    quantized type's), written into the embedded default's float32 seed, so that a first start on
+    llama.cpp takes it instead of measuring it before its first answer (its full profile measures
+    it on the machine). Refused unless measured as a probe would read it (QUALITY_SETTINGS)."""
+    model = profile.model
+    target = path or seed_path(model.name, dtype="float32")
+    if model.name != EMBEDDED_NAME or model.quality is None or not target.is_file():
+        raise ProfileError("llama.cpp quality ships for the embedded default, beside its float32 seed")
+    seed = AcceptanceSeed.load(target)
+    differ = [n for n in QUALITY_SETTINGS if profile.settings.get(n) != seed.settings.get(n)]
+    if differ:
+        raise ProfileError(f"the seed's quality was measured with other {', '.join(differ)}: profile with the seed's")
+    where = f"{profile.machine.get('cpu') or 'another machine'}, {profile.created:%Y-%m-%d}"
+    fresh = [q.model_copy(update={"measured_on": where}) for q in [model.quality, *shipped_quality(profile)]]
+    kept = [q for q in seed.quality if q.method not in {f.method for f in fresh}]
+    seed.model_copy(update={"quality": kept + fresh}).save(target)
     return target
 
 
@@ -917,8 +955,8 @@ def served_quality(loaded: LoadedModel, loop: LoopSettings, reference: Callable[
         return measure_gguf_quality(reference(), loaded, loop.gguf_weights)
 
 
-def _model_summary(loaded: LoadedModel, loop: LoopSettings, quality: Quality | None) -> ModelSummary:
-    """The target as profiled; on llama.cpp with its weights' measured `quality`."""
+def _model_summary(loaded: LoadedModel, loop: LoopSettings, quality: Quality | ShippedQuality | None) -> ModelSummary:
+    """The target as profiled; on llama.cpp with its weights' `quality`, measured (or as shipped)."""
     info = loaded.info
     summary = ModelSummary(
         name=info.name,
@@ -942,7 +980,9 @@ def _model_summary(loaded: LoadedModel, loop: LoopSettings, quality: Quality | N
             "weight_bytes": gguf_file(loaded, loop.gguf_weights).stat().st_size,
             "kv_bytes_per_token": llamacpp_kv_bytes(kv_values_per_token(loaded.model)),
             "linear_kernels": None,
-            "quality": ShippedQuality(
+            "quality": quality
+            if isinstance(quality, ShippedQuality)
+            else ShippedQuality(
                 method=gguf_method(loop.gguf_weights),
                 agreement=quality.agreement,
                 perplexity_delta=quality.perplexity_delta,

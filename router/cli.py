@@ -255,7 +255,8 @@ def _add_profile_args(parser: argparse.ArgumentParser) -> None:
         "--ship-acceptance",
         action="store_true",
         help="also write the measured acceptance and int8 agreement as the ones specroute ships for the embedded "
-        "default in this dtype (float32 or bfloat16; implies --acceptance measure)",
+        "default in this dtype (float32 or bfloat16; implies --acceptance measure); with --engine llamacpp, its "
+        "weights' measured quality, added to the float32 seed (a first start on llama.cpp then skips measuring it)",
     )
     parser.add_argument(
         "--quantization",
@@ -784,7 +785,8 @@ def run_profile(args: argparse.Namespace) -> int:
     if not args.json:
         print(f"\nprofile written to {path}")
     if args.ship_acceptance:
-        print(f"shipped acceptance written to {write_seed(profile)}", file=sys.stderr)
+        what = "the llama.cpp weights' quality" if config.engine == "llamacpp" else "acceptance"
+        print(f"shipped {what} written to {write_seed(profile)}", file=sys.stderr)
     return 0
 
 

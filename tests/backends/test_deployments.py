@@ -31,6 +31,7 @@ def _speculates_exactly(backend: Any) -> None:
     """Plain and speculative rows of the backend give the same tokens. Its measured passes make auto k
     verify little at batch 1 here; priced flat, every proposal is verified: tokens must not depend
     on what the planner chose."""
+    backend.costs.ensure(1)  # probed on first use where no profile measured its passes
     table = backend.costs.target_s
     for batch, width in list(table):
         table[batch, width] = table[batch, 1]
@@ -53,7 +54,7 @@ def test_the_llamacpp_quantized_backend_speculates_exactly_to_its_weights(loaded
         assert backend.names == {"ngram": "ngram"}  # the engine's default: prompt lookup
         _speculates_exactly(backend)
     finally:
-        backend.loop.scheduler.close()
+        backend.loop.close()  # its thread first: the engine is freed under no step
 
 
 def test_the_torch_quantized_backend_speculates_exactly_on_width_invariant_passes(loaded: LoadedModel) -> None:
@@ -64,7 +65,7 @@ def test_the_torch_quantized_backend_speculates_exactly_on_width_invariant_passe
         assert backend.loop.scheduler.tile == backend.settings.tile_width
         _speculates_exactly(backend)
     finally:
-        backend.loop.scheduler.close()
+        backend.loop.close()  # its thread first: the engine is freed under no step
 
 
 def test_the_torch_quantized_backend_decodes_plain_by_default(loaded: LoadedModel) -> None:
@@ -74,7 +75,7 @@ def test_the_torch_quantized_backend_decodes_plain_by_default(loaded: LoadedMode
         assert backend.drafters == [] and backend.loop.scheduler.tile is None
         assert backend.drafter_name("ngram") is None
     finally:
-        backend.loop.scheduler.close()
+        backend.loop.close()  # its thread first: the engine is freed under no step
 
 
 def test_activation_quantization_cannot_speculate_exactly(loaded: LoadedModel) -> None:

@@ -117,3 +117,23 @@ def test_a_request_the_loop_cannot_serve_is_refused_before_it_is_queued(tiny_tar
     with pytest.raises(RequestError, match="KV cache"):
         asyncio.run(_collect(loop, _request(500)))
     assert loop.outstanding == 0 and loop.thread is None
+
+
+def test_closing_waits_for_the_step_in_progress_then_frees_the_engine(tiny_target, monkeypatch):
+    scheduler = Scheduler(tiny_target, LoopSettings())
+    freed: list[bool] = []
+    monkeypatch.setattr(scheduler, "close", lambda: freed.append(scheduler.idle))
+    loop = ServingLoop(scheduler)
+
+    async def go():
+        task = asyncio.create_task(_collect(loop, _request(500)))
+        await asyncio.sleep(0.3)  # decoding: the loop's thread is mid-run
+        loop.close()
+        with pytest.raises(RuntimeError, match="closed its step loop"):
+            await task
+
+    asyncio.run(go())
+    assert loop.thread is not None and not loop.thread.is_alive()
+    assert freed == [True]  # freed once, after the thread stopped and nothing was left using the engine
+    with pytest.raises(RuntimeError, match="the step loop is closed"):
+        asyncio.run(_collect(loop, _request(3)))

@@ -463,6 +463,9 @@ def test_a_seed_of_other_weights_or_settings_is_measured_instead(loaded, profile
     assert profiling._shipped_quality(seed, SMALL, method) is not None
     for update in ({"quality_prompts": None}, {"quality_tokens": 16}):
         assert profiling._shipped_quality(seed, SMALL.model_copy(update=update), method) is None, update
+    # ... or over more prompts than asked (a probe reads one a category; what ships read them all)
+    every = seed.model_copy(update={"settings": {**seed.settings, "quality_prompts": None}})
+    assert profiling._shipped_quality(every, SMALL, method) == seed.quality_of(method)
 
 
 def test_only_a_measured_profile_of_the_embedded_default_ships(profile, shipped, tmp_path):
@@ -485,6 +488,10 @@ def test_the_shipped_seed_lets_a_first_start_skip_acceptance(loaded):
         assert seed_fits(seed, config, kind, drafter.name), kind
     assert all(seed.quality_of(resolve_method(loaded, choice)) for choice in config.quantization)
     assert {a.category for a in seed.acceptance} == set(load_prompt_set().categories)
+    # a first start on llama.cpp takes its file's and its quantized backend's quality from here
+    probe = quick_config(ProfileConfig(engine="llamacpp"))
+    for method in ("llamacpp-file", "llamacpp-Q8_0"):
+        assert profiling._shipped_quality(seed, probe, method) is not None, method
 
 
 def test_the_shipped_bfloat16_seed_lets_a_bfloat16_first_start_skip_acceptance(loaded_bf16):
@@ -556,6 +563,39 @@ def test_a_llamacpp_profile_measures_that_engine_and_its_weights_quality(llamacp
     assert all(a.judged_tokens > 0 for a in q.acceptance)
     assert q.weight_bytes is not None and q.weight_bytes > m.weight_bytes  # 8 bits a weight against the file's ~4.5
     assert llama.serving("llamacpp-Q8_0").quantized == q
+
+
+def test_a_llamacpp_profiles_weights_quality_ships_beside_the_float32_seed(llamacpp_profile, profile, seeds, tmp_path):
+    llama, _ = llamacpp_profile
+    path = tmp_path / "seed.json"
+    path.write_bytes(seed_path(profile.model.name, seeds).read_bytes())
+    assert write_seed(llama, path) == path
+    seed = AcceptanceSeed.load(path)
+    served, q8 = seed.quality_of("llamacpp-file"), seed.quality_of("llamacpp-Q8_0")
+    assert served is not None and q8 is not None
+    assert served.agreement == llama.model.quality.agreement and served.measured_on
+    assert seed.acceptance == AcceptanceSeed.load(seed_path(profile.model.name, seeds)).acceptance  # untouched
+    write_seed(profile, path)  # torch's acceptance shipped again keeps them
+    assert AcceptanceSeed.load(path).quality_of("llamacpp-file") == served
+    other = llama.model_copy(update={"settings": {**llama.settings, "quality_tokens": 16}})
+    with pytest.raises(ProfileError, match="measured with other quality_tokens"):
+        write_seed(other, path)
+
+
+def test_a_llamacpp_probe_takes_its_weights_shipped_quality(llamacpp_profile, profile, seeds, tmp_path, monkeypatch):
+    """A first start on llama.cpp skips measuring its weights' quality where it ships (the slowest
+    part of its probe); the full profile measures it on the machine."""
+    llama, _ = llamacpp_profile
+    path = seed_path(profile.model.name, tmp_path)
+    path.write_bytes(seed_path(profile.model.name, seeds).read_bytes())
+    write_seed(llama, path)
+    monkeypatch.setattr(profiling, "SEEDS_DIR", tmp_path)
+    config = {k: v for k, v in SMALL.model_dump().items() if k != "drafters"}
+    probe = run_profile(
+        quick_config(ProfileConfig.model_validate({**config, "engine": "llamacpp"})), progress=False, log=print
+    )
+    assert probe.model.quality == AcceptanceSeed.load(path).quality_of("llamacpp-file")
+    assert "llamacpp-file quality" in probe.acceptance_source and probe.provisional
 
 
 def test_a_llamacpp_profile_has_a_path_of_its_own():
