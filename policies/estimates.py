@@ -143,10 +143,10 @@ class QuantizedCosts(ProfileCosts):
     plus the seconds the target's context adds to a pass (attention over the cache runs in float
     either way, so context adds the same seconds to both)."""
 
-    def __init__(self, costs: ProfileCosts):
+    def __init__(self, costs: ProfileCosts, batch: int):
         assert costs.profile.quantized is not None
         super().__init__(costs.profile, costs.context)
-        self.base = costs
+        self.base, self.batch = costs, batch
         self.target = costs.profile.quantized.curve
 
     def pass_s(self, batch: float, width: int) -> float:
@@ -154,8 +154,8 @@ class QuantizedCosts(ProfileCosts):
         return self.target.at(batch, width) + self.base.pass_s(batch, width) - base.at(batch, width)
 
     def ttft_s(self, prompt_tokens: int) -> float:
-        # Prefill scales like decode here: the same weights are read, the same share is saved.
-        return self.base.ttft_s(prompt_tokens) * self.step_s(1) / self.base.step_s(1)
+        # Prefill scales like decode at this concurrency: the same weights are read, the same share is saved.
+        return self.base.ttft_s(prompt_tokens) * self.step_s(self.batch) / self.base.step_s(self.batch)
 
 
 def quantized_candidates(
@@ -172,7 +172,7 @@ def quantized_candidates(
     plain target at this concurrency, so they compare with every other candidate's."""
     if costs.profile.quantized is None:
         return []
-    q = QuantizedCosts(costs)
+    q = QuantizedCosts(costs, batch)
     step, base = q.step_s(batch), costs.step_s(batch)
     plain = _candidate("quantized", q.ttft_s(prompt_tokens), step, batch, max_tokens, speedup=base / step)
     out = [plain]
