@@ -50,7 +50,7 @@ from .generation import ChatMessage, GenerationRequest, GenerationResult, TokenL
 from .loop_metrics import LoopRecorder
 from .models import LoadedModel, load_model
 from .plain import PlainEngine
-from .quantized import calibration_cache, needs_calibration, quantize, resolve_method
+from .quantized import calibration_cache, drafting_settings, needs_calibration, quantize, resolve_method
 from .scheduler import (
     PLAIN_ROW,
     LoopSettings,
@@ -244,8 +244,7 @@ class QuantizedBackend(_Backend):
             calibration = calibration_ids(self.loaded, s) if needs_calibration(method) else []
             # A method this model, dtype or device cannot take fails here, at start-up, never mid-request.
             target = quantize(self.loaded, calibration, method, calibration_cache())
-            if kinds:  # torch's int kernels vary with a pass's width: tiles make verification exact
-                self.settings = s = s.model_copy(update={"width_invariant": "on"})
+            self.settings = s = drafting_settings(s, bool(kinds))
         self.drafters = [build_drafter(s.drafter.of(kind), target) for kind in kinds]
         self.names = {kind: d.name for kind, d in zip(kinds, self.drafters, strict=True)}
         if self.drafters:

@@ -38,6 +38,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -50,12 +51,23 @@ from .errors import ModelLoadError
 from .generation import GenerationRequest
 from .models import LoadedModel
 from .plain import PlainEngine
+from .scheduler import LoopSettings
 from .weight_only import check_weight_only, on_int4_grid, replace_linears
 
 SMOOTHING = 0.8  # the migration strength a: 0.5 / 0.8 / 0.9 measured here, 0.8 agreed best
 _MLP_IN, _DOWN = ("gate_proj", "up_proj"), "down_proj"
 _ATTN_IN = ("q_proj", "k_proj", "v_proj")
 _HEAD = "lm_head"
+
+
+Settings = TypeVar("Settings", bound=LoopSettings)
+
+
+def drafting_settings(settings: Settings, drafting: bool) -> Settings:
+    """A torch quantized loop's settings: torch's int kernels vary with a pass's width, so a loop
+    that speculates runs every pass tiled (width-invariant) to keep verification exact; served
+    and profiled alike."""
+    return settings.model_copy(update={"width_invariant": "on"}) if drafting else settings
 
 
 def resolve_method(loaded: LoadedModel, choice: str) -> QuantMethod:

@@ -18,7 +18,7 @@ import numpy as np
 
 from .config import PolicyConfig
 from .cost_model import RowOutlook, effective_seconds, plan_step, tokens_per_step
-from .estimates import ProfileCosts, decode_context
+from .estimates import ProfileCosts, decode_context, prefill_scale
 from .policy import Decision, LoadSnapshot, RequestFeatures, decide
 from .profile import CostCurve, Profile
 from .simulation import BackendModel, Router, SimRecord, SimRequest
@@ -37,15 +37,15 @@ class Acceptance:
 
 class CurveModel:
     """A backend whose decode step is one 1-token pass (the plain and the quantized backends).
-    Prefill is the profile's prefill curve, scaled by `prefill_scale` (the quantized model reads
-    fewer bytes per token, the same share it saves in decode)."""
+    Prefill is the profile's prefill curve, scaled by `prefill_scale` at the step's concurrency
+    (1 for the target's own curve)."""
 
-    def __init__(self, profile: Profile, curve: CostCurve, prefill_scale: float = 1.0):
-        self.profile, self.curve, self.prefill, self.scale = profile, curve, profile.prefill, prefill_scale
+    def __init__(self, profile: Profile, curve: CostCurve):
+        self.profile, self.curve, self.prefill = profile, curve, profile.prefill
         self._steps: dict[tuple[int, int], float] = {}
 
     def prefill_seconds(self, tokens: int, running: int) -> float:
-        return self.prefill.per_token(1, tokens) * self.scale
+        return self.prefill.per_token(1, tokens) * prefill_scale(self.curve, self.profile.target, running + 1)
 
     def decode_step(self, rows: Sequence[SimRequest]) -> tuple[float, list[float]]:
         key = (len(rows), batch_context(rows))
@@ -69,7 +69,7 @@ def batch_context(rows: Sequence[SimRequest]) -> int:
 
 class SpeculativeModel:
     """The speculative backend (or the quantized one speculating: its `curve`, its prefill scaled
-    by `prefill_scale`): each step `plan_step` chooses every drafter's k for the live batch from the
+    by `prefill_scale`, as CurveModel's): each step `plan_step` chooses every drafter's k for the live batch from the
     measured pass times by width and the drafters' step costs, as the replica's step loop does — but
     with each drafter's cost at the whole batch and no catch-up reading (see the report's notes);
     rows whose drafter is None ride as plain rows."""
@@ -80,16 +80,15 @@ class SpeculativeModel:
         acceptance: Mapping[int, Acceptance],
         k_max: int,
         curve: CostCurve | None = None,
-        prefill_scale: float = 1.0,
     ):
         self.costs, self.acceptance = ProfileCosts(profile), acceptance
-        self.curve, self.scale = curve or profile.target, prefill_scale
+        self.curve = curve or profile.target
         self.k_max = min(k_max, self.curve.max_width - 1)
         self.profile = profile
         self._cache: dict[tuple, tuple[float, dict[str | None, int]]] = {}
 
     def prefill_seconds(self, tokens: int, running: int) -> float:
-        return self.profile.prefill.per_token(1, tokens) * self.scale
+        return self.profile.prefill.per_token(1, tokens) * prefill_scale(self.curve, self.profile.target, running + 1)
 
     def pass_seconds(self, batch: int, width: int, context: int) -> float:
         # Attention over the cache runs in float whatever the weights: context adds the target's seconds.
@@ -140,10 +139,9 @@ def backend_model(profile: Profile, backend: str, acceptance: Mapping[int, Accep
         q = profile.quantized
         if q is None:
             raise ValueError("the profile has no quantized backend measured")
-        scale = q.curve.at(1, 1) / profile.target.at(1, 1)
         if q.acceptance and q.curve.max_width > 1:  # it speculates: rows the policy sent with a drafter draft
-            return SpeculativeModel(profile, acceptance, k_max, q.curve, scale)
-        return CurveModel(profile, q.curve, scale)
+            return SpeculativeModel(profile, acceptance, k_max, q.curve)
+        return CurveModel(profile, q.curve)
     if backend == "speculative":
         return SpeculativeModel(profile, acceptance, k_max)
     raise ValueError(f"unknown backend {backend!r}")

@@ -16,7 +16,7 @@ from .cost_model import (
     speedup,
     tokens_per_step,
 )
-from .profile import DrafterProfile, Profile, ProfileError
+from .profile import CostCurve, DrafterProfile, Profile, ProfileError
 
 Backend = Literal["speculative", "plain", "quantized"]
 BACKENDS: tuple[Backend, ...] = get_args(Backend)
@@ -154,8 +154,21 @@ class QuantizedCosts(ProfileCosts):
         return self.target.at(batch, width) + self.base.pass_s(batch, width) - base.at(batch, width)
 
     def ttft_s(self, prompt_tokens: int) -> float:
-        # Prefill scales like decode at this concurrency: the same weights are read, the same share is saved.
-        return self.base.ttft_s(prompt_tokens) * self.step_s(self.batch) / self.base.step_s(self.batch)
+        return self.base.ttft_s(prompt_tokens) * prefill_scale(self.target, self.base.target, self.batch)
+
+
+def prefill_scale(curve: CostCurve, target: CostCurve, batch: float) -> float:
+    """Prefill on weights whose 1-token passes `curve` measured, over the target's, at `batch`
+    requests in flight: it scales like the decode step at that concurrency (the same weights are
+    read, the same share is saved). The policy and the capacity simulator both read it here."""
+    return curve.at(batch, 1) / target.at(batch, 1)
+
+
+def measured_ks(k_range: tuple[int, int], costs: ProfileCosts) -> tuple[int, int]:
+    """k_range within the verify widths `costs` measured (a (k+1)-token pass needs its time)."""
+    widest = costs.target.max_width - 1
+    k_max = min(k_range[1], widest)
+    return min(k_range[0], k_max), k_max
 
 
 def quantized_candidates(
@@ -178,7 +191,7 @@ def quantized_candidates(
     out = [plain]
     if q.target.max_width < 2:
         return out
-    ks = (min(k_range[0], q.target.max_width - 1), min(k_range[1], q.target.max_width - 1))
+    ks = measured_ks(k_range, q)
     for name, (alpha, source, rho) in (alphas or {}).items():
         drafter = costs.profile.drafter(name)
         spec = speculative_candidate(q, drafter, alpha, source, rho, batch, prompt_tokens, max_tokens, ks)

@@ -17,6 +17,7 @@ from .estimates import (
     Candidate,
     ProfileCosts,
     decode_context,
+    measured_ks,
     plain_candidate,
     quantized_candidates,
     speculation_break_even,
@@ -92,7 +93,7 @@ def decide(features: RequestFeatures, load: LoadSnapshot, profile: Profile, conf
     quantized_all = quantized_candidates(
         costs, b, features.prompt_tokens, features.max_tokens, alphas, k_range(costs, config)
     )
-    quantized = _best_quantized(quantized_all, b, config)
+    quantized = _best_quantized(quantized_all, _speculation_gate(b, bottleneck, config), config)
     candidates = [*specs, plain, *quantized_all]
     for c in candidates:
         c.meets_slo = _meets_slo(c, config)
@@ -174,13 +175,12 @@ def _speculative_candidates(
 
 def k_range(costs: ProfileCosts, config: PolicyConfig, reasons: list[str] | None = None) -> tuple[int, int]:
     """The policy's k range within what the profile measured (a (k+1)-token pass needs its time)."""
-    spec, widest = config.speculation, costs.target.max_width - 1
-    k_max = min(spec.k_max, widest)
-    k_min = min(spec.k_min, k_max)
+    spec = config.speculation
+    k_min, k_max = measured_ks((spec.k_min, spec.k_max), costs)
     if (k_min, k_max) != (spec.k_min, spec.k_max) and reasons is not None:
         reasons.append(
             f"speculation: k limited to {k_min}..{k_max} (policy {spec.k_min}..{spec.k_max}): the profile measured "
-            f"passes of up to {widest + 1} tokens"
+            f"passes of up to {costs.target.max_width} tokens"
         )
     return k_min, k_max
 
@@ -223,16 +223,26 @@ def _speculation_stage(
         f"E={best.expected_tokens:.2f} tokens per step for {cost:.2f} plain steps "
         f"(k·c = {best.k}·{best.c:.3f}, v(b,k) = {best.v:.2f}) → {best.speedup:.2f}× plain"
     )
-    if spec.max_concurrency is not None and b >= spec.max_concurrency:
-        reasons.append(f"speculation: {numbers}, policy: speculate below concurrency {spec.max_concurrency}")
-    elif bottleneck == "compute" and config.bottleneck.skip_speculation_when_compute_bound:
-        reasons.append(f"speculation: {numbers}; skipped: decode is compute-bound at this load (policy)")
+    gate = _speculation_gate(b, bottleneck, config)
+    if gate is not None:
+        reasons.append(f"speculation: {numbers}; {gate}")
     elif best.speedup < spec.min_speedup:
         reasons.append(f"speculation: {numbers} < {spec.min_speedup:g}× required → do not speculate")
     else:
         reasons.append(f"speculation: {numbers} ≥ {spec.min_speedup:g}× required → speculate")
         return best, "speculation"
     return None, "speculation"
+
+
+def _speculation_gate(b: int, bottleneck: str, config: PolicyConfig) -> str | None:
+    """Why the policy does not speculate at this load, whatever the speedup (None: it may). One rule
+    for both backends that speculate."""
+    spec = config.speculation
+    if spec.max_concurrency is not None and b >= spec.max_concurrency:
+        return f"policy: speculate below concurrency {spec.max_concurrency}"
+    if bottleneck == "compute" and config.bottleneck.skip_speculation_when_compute_bound:
+        return "skipped: decode is compute-bound at this load (policy)"
+    return None
 
 
 def _batching_stage(
@@ -293,21 +303,15 @@ def _alpha_ratio(profile: Profile, drafter: str) -> float | None:
     return quantized / target if quantized is not None and target > 0 else None
 
 
-def _best_quantized(candidates: list[Candidate], b: int, config: PolicyConfig) -> Candidate | None:
+def _best_quantized(candidates: list[Candidate], gate: str | None, config: PolicyConfig) -> Candidate | None:
     """The quantized backend's fastest way to serve the request: plain, or speculating where the
-    speculation policy allows it at this load and it beats the quantized backend's plain decoding
-    by the policy's margin."""
-    spec = config.speculation
+    speculation policy allows it at this load (`gate` None) and it beats the quantized backend's
+    plain decoding by the policy's margin."""
     plain = next((c for c in candidates if c.drafter is None), None)
     if plain is None:
         return None
-    allowed = [
-        c
-        for c in candidates
-        if c.drafter is not None
-        and (spec.max_concurrency is None or b < spec.max_concurrency)
-        and c.speedup >= spec.min_speedup * plain.speedup
-    ]
+    margin = config.speculation.min_speedup * plain.speedup
+    allowed = [c for c in candidates if c.drafter is not None and gate is None and c.speedup >= margin]
     return min([plain, *allowed], key=lambda c: c.tpot_ms)
 
 

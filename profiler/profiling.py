@@ -41,6 +41,7 @@ from backends.quantized import (
     Reference,
     calibration_cache,
     compare_quality,
+    drafting_settings,
     max_weight_error,
     measure_quality,
     needs_calibration,
@@ -594,8 +595,7 @@ def measure_quantized(
     with all_cores():  # an untimed pass over every calibration token: no reason to leave a core idle
         quantized = quantize(loaded, calibration_ids, method, calibration_cache())  # type: ignore[arg-type]
     kinds = config.stacked if speculation_refusal(method) is None else []
-    # Speculating, its passes run width-invariant (torch's int kernels vary with width): timed so.
-    loop = config.loop().model_copy(update={"width_invariant": "on"}) if kinds else config.loop()
+    loop = drafting_settings(config.loop(), bool(kinds))  # timed as it will run
     widths = list(range(1, config.max_width + 1)) if kinds else [1]
     measured = {
         "method": method,

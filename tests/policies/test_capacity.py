@@ -15,10 +15,10 @@ from policies.capacity import (
 )
 from policies.config import PolicyConfig, default_policy
 from policies.cost_model import best_speculative_k, tokens_per_step
-from policies.estimates import ProfileCosts
+from policies.estimates import ProfileCosts, QuantizedCosts, prefill_scale
 from policies.simulation import LoopLimits, SimRecord, SimRequest, simulate_closed
 
-from .profiles import FIXED, PER_TOKEN, step, synthetic_profile
+from .profiles import FIXED, PER_TOKEN, curve, step, synthetic_profile
 
 NGRAM = "ngram"
 
@@ -99,6 +99,21 @@ def test_a_speculating_quantized_backend_is_simulated_on_its_own_passes_and_alph
     )
     # without α measured on it, the quantized backend decodes plain
     assert isinstance(backend_model(synthetic_profile(quantized_agreement=0.99), "quantized", {}, 8), CurveModel)
+
+
+def test_quantized_prefill_scales_by_the_step_ratio_at_the_concurrency_as_the_policy_predicts():
+    profile = synthetic_profile(quantized_agreement=0.99)
+    assert profile.quantized is not None
+    # the saving shrinks with the batch: weight bytes are read once per step, compute per row is the target's
+    quantized = profile.quantized.model_copy(update={"curve": curve(FIXED * 0.3, PER_TOKEN)})
+    profile = profile.model_copy(update={"quantized": quantized})
+    model, base = backend_model(profile, "quantized", {}, 8), CurveModel(profile, profile.target)
+    alone, loaded = (model.prefill_seconds(136, r) / base.prefill_seconds(136, r) for r in (0, 7))
+    assert alone == pytest.approx(prefill_scale(quantized.curve, profile.target, 1))
+    assert loaded == pytest.approx(prefill_scale(quantized.curve, profile.target, 8))
+    assert alone < loaded < 1
+    costs = ProfileCosts(profile)
+    assert QuantizedCosts(costs, 8).ttft_s(136) / costs.ttft_s(136) == pytest.approx(loaded)
 
 
 def test_a_forced_mode_takes_its_backend_and_replicas_share_the_load():

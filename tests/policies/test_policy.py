@@ -210,6 +210,16 @@ def test_the_quantized_backend_speculates_where_its_own_measured_alpha_pays():
     assert not any("speculating" in r for r in prose.reasons)
 
 
+def test_the_quantized_backend_follows_the_speculation_policys_compute_bound_skip():
+    profile = synthetic_profile(quantized_agreement=0.99, quantized_alphas={"copy": 0.95})
+    strict = policy(bottleneck={"skip_speculation_when_compute_bound": True})
+    decision = decide(features("copy", ngram=0.95), load(32), profile, strict)
+    assert decision.bottleneck == "compute" and decision.drafter is None
+    plain_q = next(c for c in decision.candidates if c.backend == "quantized" and c.drafter is None)
+    stacked = next(c for c in decision.candidates if c.backend == "quantized" and c.drafter == "ngram")
+    assert stacked.speedup >= strict.speculation.min_speedup * plain_q.speedup  # it would pay: the policy refused
+
+
 def test_the_quantized_backend_speculates_only_on_acceptance_measured_on_it():
     decision = decide(features("copy"), load(1), synthetic_profile(quantized_agreement=0.99), policy())
     assert [c.drafter for c in decision.candidates if c.backend == "quantized"] == [None]
