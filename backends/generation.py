@@ -46,6 +46,12 @@ class GenerationRequest(BaseModel):
         default_factory=list,
         description="tokens an earlier attempt already generated: decoding resumes after them (a retry)",
     )
+    cache_salt: str | None = Field(
+        None,
+        min_length=1,
+        max_length=256,
+        description="prefix-cache isolation: cached prompt blocks are shared only among requests of the same salt",
+    )
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -83,6 +89,7 @@ class GenerationResult(BaseModel):
     tpot_s: float = Field(description="mean time per output token after the first")
     seed: int = Field(description="seed of this request's generator (reuse it to reproduce a sample)")
     speculation: SpeculationStats | None = Field(None, description="drafting and acceptance, when speculative")
+    cached_tokens: int = Field(0, ge=0, description="prompt tokens found in the prefix cache, not prefilled")
 
     @property
     def tokens_per_s(self) -> float:
@@ -105,6 +112,7 @@ class SequenceState:
     finished_at: float | None = None
     listener: TokenListener | None = None  # streams tokens out while the engine runs
     speculation: SpeculationStats | None = None  # the speculative engine's live statistics of this row
+    cached_tokens: int = 0  # prompt tokens the prefix cache held when the row joined
     _stop_cut: int | None = None  # character offset where a stop string begins
     _searched_chars: int = 0
 
@@ -146,6 +154,7 @@ class SequenceState:
             tpot_s=(finished - first) / (count - 1) if count > 1 else 0.0,
             seed=self.seed,
             speculation=self.speculation,
+            cached_tokens=self.cached_tokens,
         )
 
     def _hit_stop_string(self, tokenizer: PreTrainedTokenizerBase) -> bool:

@@ -27,11 +27,24 @@ Memory is bounded: the pool grows by doubling up to `max_tokens` and never past 
 at a time, so growing holds at most one layer's pools twice); `reserve` lets a scheduler admit
 only what is sure to fit, so the target's cache never runs out mid-run. A drafter's own cache
 holds one entry per token of the rows it drafts for, which the target's bound bounds in turn.
+
+Prefix caching (`prefix_caching`): a full block whose tokens are verified context (a prompt's, or
+a finished answer's) is registered under a key chained over every token before it — the hash of
+(its parent block's key, its token ids), rooted in the cache's identity (model, dtype, pass
+shapes) and the request's `salt` — as vLLM's automatic prefix caching keys blocks. A new sequence
+given its prompt (`add(prefix=…)`) starts holding the longest chain of registered blocks and
+prefills only the rest (at least its last token, whose logits it samples from). Blocks are
+reference-counted: shared ones are read by every sequence holding them and written by none (a
+sequence writes only past its length, and registered blocks are full). A block no sequence holds
+any more stays registered and reusable, in LRU order, until the pool needs it. Tokens of an
+unverified draft are never registered: the caller registers (`commit`) only what it verified.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -57,6 +70,18 @@ class _Sequence:
     blocks: list[int] = field(default_factory=list)
     length: int = 0  # tokens whose keys and values are valid
     reserved: int = 0  # tokens promised to this sequence (blocks it may still claim)
+    chain: list[bytes] = field(default_factory=list)  # prefix-cache keys of its leading full blocks
+    root: bytes = b""  # the key its first block's chains from (identity and salt)
+    cached: int = 0  # prompt tokens it found in the prefix cache when it joined
+
+
+@dataclass
+class PrefixStats:
+    """Prefix-cache lookups since the cache was made, in tokens (vLLM's prefix_cache_queries and
+    prefix_cache_hits): every prompt looked up, and the tokens found."""
+
+    queries: int = 0
+    hits: int = 0
 
 
 @dataclass(frozen=True)
@@ -101,12 +126,13 @@ class PagedCache:
         feature_layers: Sequence[int] = (),
         tile: int | None = None,
         tile_rows: int | None = None,
+        prefix_caching: bool = False,
     ):
         """`max_tokens`: the most tokens (over all sequences) the pool may ever hold. With
         `feature_layers`, every forward also keeps those hidden states (see `features`). With
         `tile`, passes are width-invariant (see the module docstring): every pass that keeps all
         positions' logits runs `tile` positions wide — every pass of at most `tile_rows` sequences
-        (None: every pass)."""
+        (None: every pass). `prefix_caching`: see the module docstring."""
         check_full_attention(model)
         config = model.config
         self.model = model
@@ -124,24 +150,70 @@ class PagedCache:
         self.values: list[torch.Tensor] = []
         self.free: list[int] = []
         self._allocate_pool(min(FIRST_POOL_BLOCKS, self.max_blocks))
+        self.prefix_caching = prefix_caching
+        self.prefix_stats = PrefixStats()
+        # What makes two caches' keys and values for the same tokens the same bits: a block is
+        # only ever found by sequences of this cache, but the key says what it was computed by.
+        shape = f"tile={tile}/{tile_rows}"
+        self._identity = f"{type(model).__name__}|{config.name_or_path}|{self.dtype}|{shape}".encode()
+        self._refs: dict[int, int] = {}  # block → sequences holding it (every held block)
+        self._registered: dict[bytes, int] = {}  # prefix-cache key → block
+        self._key_of: dict[int, bytes] = {}  # registered block → its key
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # registered, held by none: oldest first
         self.sequences: dict[int, _Sequence] = {}
         self._next_id = 0
         self._pass: _Pass | None = None
 
     # -- sequences --------------------------------------------------------------------------
-    def add(self, reserve: int = 0) -> int:
-        """A new empty sequence; `reserve` tokens are promised to it (see `can_reserve`)."""
-        if not self.can_reserve(reserve):
+    def add(self, reserve: int = 0, prefix: Sequence[int] = (), salt: str | None = None) -> int:
+        """A new sequence; `reserve` tokens are promised to it (see `can_reserve`). Given its
+        `prefix` (the prompt) with prefix caching on, it starts with the longest chain of cached
+        blocks of that prefix (of requests with the same `salt`) as its first `length` tokens."""
+        if not self.can_reserve(reserve, prefix, salt):
             raise CacheFull(f"no room to reserve {reserve} tokens")
         seq = self._next_id
         self._next_id += 1
-        self.sequences[seq] = _Sequence(reserved=reserve)
+        root = self._root(salt)
+        found = self._lookup(prefix, root)
+        for _, block in found:
+            self._hold(block)
+        state = _Sequence(reserved=reserve, root=root)
+        state.blocks = [block for _, block in found]
+        state.chain = [key for key, _ in found]
+        state.length = state.cached = len(found) * self.block_tokens
+        self.sequences[seq] = state
+        if self.prefix_caching and prefix:
+            self.prefix_stats.queries += len(prefix)
+            self.prefix_stats.hits += state.cached
         return seq
 
+    def cached_tokens(self, seq: int) -> int:
+        """Prompt tokens the sequence found in the prefix cache when it joined."""
+        return self.sequences[seq].cached
+
+    def commit(self, seq: int, tokens: Sequence[int]) -> None:
+        """Register the sequence's full blocks whose tokens — `tokens`, its verified context from
+        position 0 on — are all in the cache, so later sequences can start from them. Positions
+        past `tokens` (drafts not yet verified) are never registered."""
+        state = self.sequences.get(seq)
+        if not self.prefix_caching or state is None:
+            return
+        bs = self.block_tokens
+        full = min(len(tokens), state.length) // bs
+        for i in range(len(state.chain), full):
+            parent = state.chain[-1] if state.chain else state.root
+            key = _block_key(parent, tokens[i * bs : (i + 1) * bs])
+            state.chain.append(key)
+            block = state.blocks[i]
+            if key not in self._registered and block not in self._key_of:  # else a twin is already cached
+                self._registered[key], self._key_of[block] = block, key
+
     def remove(self, seq: int) -> None:
-        """The sequence leaves: its blocks return to the pool at once."""
+        """The sequence leaves: its blocks return to the pool at once (registered ones stay
+        findable until the pool needs them; the last block first, so chains lose their tails first)."""
         state = self.sequences.pop(seq)
-        self.free.extend(state.blocks)
+        for block in reversed(state.blocks):
+            self._release(block)
 
     def length(self, seq: int) -> int:
         return self.sequences[seq].length
@@ -153,8 +225,12 @@ class PagedCache:
             raise ValueError(f"truncate can only shorten a sequence ({state.length} → {length})")
         state.length = length
         keep = math.ceil(length / self.block_tokens)
-        self.free.extend(state.blocks[keep:])
+        for block in reversed(state.blocks[keep:]):
+            self._release(block)
         del state.blocks[keep:]
+        del state.chain[length // self.block_tokens :]
+        if length % self.block_tokens and self._shared(state.blocks[-1]):
+            state.blocks[-1] = self._copy_of(state.blocks[-1])  # it will be written past `length`
 
     def keep_branch(self, seq: int, start: int, kept: Sequence[int]) -> None:
         """After a structured pass that began at `start`: keep the block tokens at indices `kept`
@@ -178,9 +254,13 @@ class PagedCache:
         passes, whose cost depends on how long the context is, never on what it holds."""
         self._grow(seq, count)
 
-    def can_reserve(self, tokens: int) -> bool:
-        """Would `tokens` more fit beside every reservation already made?"""
-        return self._blocks_for(tokens) <= self._unpromised_blocks()
+    def can_reserve(self, tokens: int, prefix: Sequence[int] = (), salt: str | None = None) -> bool:
+        """Would a sequence promised `tokens` fit beside every reservation already made? With its
+        `prefix`, cached blocks it would share count as held already (and idle cached ones it
+        would take back from the pool as spent)."""
+        found = [block for _, block in self._lookup(prefix, self._root(salt))]
+        revived = sum(block in self._evictable for block in found)
+        return self._blocks_for(tokens) - len(found) + revived <= self._unpromised_blocks()
 
     @property
     def usage(self) -> float:
@@ -192,7 +272,74 @@ class PagedCache:
         return self.max_blocks - 1 - self._used_blocks() - promised
 
     def _used_blocks(self) -> int:
-        return sum(len(s.blocks) for s in self.sequences.values())
+        """Blocks some sequence holds (a shared block once): idle cached blocks are free to reuse."""
+        return len(self._refs)
+
+    # -- prefix cache -----------------------------------------------------------------------
+    def _root(self, salt: str | None) -> bytes:
+        """Where a sequence's chain of keys starts: this cache's identity and the request's salt
+        (requests of different salts never share a block)."""
+        return hashlib.blake2b(self._identity + b"\x00" + (salt or "").encode(), digest_size=16).digest()
+
+    def _lookup(self, prefix: Sequence[int], root: bytes) -> list[tuple[bytes, int]]:
+        """The longest chain of registered blocks covering `prefix` — short of its last token,
+        which the sequence must feed to sample after it: (key, block) pairs."""
+        if not self.prefix_caching:
+            return []
+        bs, found, parent = self.block_tokens, [], root
+        for i in range(max(len(prefix) - 1, 0) // bs):
+            key = _block_key(parent, prefix[i * bs : (i + 1) * bs])
+            block = self._registered.get(key)
+            if block is None:
+                break
+            found.append((key, block))
+            parent = key
+        return found
+
+    def _hold(self, block: int) -> None:
+        self._evictable.pop(block, None)
+        self._refs[block] = self._refs.get(block, 0) + 1
+
+    def _release(self, block: int) -> None:
+        self._refs[block] -= 1
+        if self._refs[block]:
+            return
+        del self._refs[block]
+        if block in self._key_of:
+            self._evictable[block] = None  # found again until the pool needs it
+        else:
+            self.free.append(block)
+
+    def _shared(self, block: int) -> bool:
+        return self._refs.get(block, 0) > 1 or block in self._key_of
+
+    def _copy_of(self, block: int) -> int:
+        """A private copy of a shared block (the caller's sequence will write into it)."""
+        fresh = self._take_block()
+        bs = self.block_tokens
+        source = torch.arange(block * bs, (block + 1) * bs, device=self.device)
+        target = torch.arange(fresh * bs, (fresh + 1) * bs, device=self.device)
+        for pool in (*self.keys, *self.values):
+            pool.index_copy_(0, target, pool.index_select(0, source))
+        self._release(block)
+        return fresh
+
+    def _take_block(self) -> int:
+        """A block for new tokens: a free one, else the pool grown, else the least recently used
+        idle cached block (forgotten)."""
+        if not self.free:
+            total = self.keys[0].shape[0] // self.block_tokens
+            if total < self.max_blocks:
+                self._allocate_pool(min(2 * total, self.max_blocks))
+            elif self._evictable:
+                block, _ = self._evictable.popitem(last=False)
+                del self._registered[self._key_of.pop(block)]
+                self.free.append(block)
+            else:
+                raise CacheFull(f"the KV pool is full ({self.max_blocks - 1} blocks of {self.block_tokens} tokens)")
+        block = self.free.pop()
+        self._refs[block] = 1
+        return block
 
     def _blocks_for(self, tokens: int) -> int:
         return math.ceil(tokens / self.block_tokens)
@@ -269,16 +416,14 @@ class PagedCache:
         """Give the sequence blocks for `count` more tokens and count them as valid."""
         state = self.sequences[seq]
         needed = self._blocks_for(state.length + count) - len(state.blocks)
-        if needed > len(self.free):
-            self._expand(needed - len(self.free))
-        state.blocks.extend(self.free.pop() for _ in range(needed))
+        if needed > len(self.free) + self._evictable_or_growable():
+            raise CacheFull(f"the KV pool is full ({self.max_blocks - 1} blocks of {self.block_tokens} tokens)")
+        state.blocks.extend(self._take_block() for _ in range(needed))
         state.length += count
 
-    def _expand(self, at_least: int) -> None:
-        total = self.keys[0].shape[0] // self.block_tokens
-        if total + at_least > self.max_blocks:
-            raise CacheFull(f"the KV pool is full ({self.max_blocks - 1} blocks of {self.block_tokens} tokens)")
-        self._allocate_pool(min(max(2 * total, total + at_least), self.max_blocks))
+    def _evictable_or_growable(self) -> int:
+        """Blocks beyond the free list that `_take_block` can still find."""
+        return len(self._evictable) + self.max_blocks - self.keys[0].shape[0] // self.block_tokens
 
     def _allocate_pool(self, blocks: int) -> None:
         """Grow every layer's pools to `blocks` blocks (block 0 is the scratch block for padding)."""
@@ -394,6 +539,14 @@ class PagedCache:
         """The last pass's hidden states at `layers` (a subset of `feature_layers`), concatenated:
         (B, W, len(layers) · H) over the positions just fed."""
         return torch.cat([self.hidden_states[i] for i in layers], dim=-1)
+
+
+def _block_key(parent: bytes, tokens: Sequence[int]) -> bytes:
+    """A block's prefix-cache key: its parent's key and its token ids, hashed (128 bits: a
+    collision would hand a sequence another prompt's keys and values)."""
+    digest = hashlib.blake2b(parent, digest_size=16)
+    digest.update(b"".join(int(t).to_bytes(4, "little") for t in tokens))
+    return digest.digest()
 
 
 def _checked_structures(

@@ -20,6 +20,7 @@ from itertools import accumulate
 
 from pydantic import BaseModel, Field, computed_field
 
+from .kv import PrefixStats
 from .scheduler import Scheduler
 
 OBSERVE_S = 0.5
@@ -45,8 +46,16 @@ class LoopSnapshot(BaseModel):
     running: int = Field(ge=0, description="requests in the batch")
     waiting: int = Field(ge=0, description="requests queued for a row")
     kv_cache_usage: float = Field(ge=0, description="share of the KV cache held, 0..1 (vLLM's kv_cache_usage_perc)")
+    prefix_cache_queries: int = Field(0, ge=0, description="prompt tokens looked up in the prefix cache so far")
+    prefix_cache_hits: int = Field(0, ge=0, description="prompt tokens found in the prefix cache so far")
     batch_size: HistogramSnapshot = Field(description="sequences in each step")
     tokens: HistogramSnapshot = Field(description="tokens each step generated (with accepted drafts)")
+
+    @computed_field
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        """Hits over queries since the replica started (0 before any lookup)."""
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
 
     @computed_field
     @property
@@ -83,6 +92,7 @@ class LoopRecorder:
         self.lock = threading.Lock()
         self.running = self.waiting = 0
         self.kv_cache_usage = 0.0
+        self.prefix = PrefixStats()
         self.batch_size, self.tokens = _Histogram(BATCH_BUCKETS), _Histogram(TOKEN_BUCKETS)
         self.exporter = RayLoopExporter(backend) if ray_export else None
         self.unexported: list[int] = []  # batch sizes of the steps since the last export
@@ -92,8 +102,9 @@ class LoopRecorder:
         """After a step, on the loop's thread."""
         batch, tokens = scheduler.last_step.rows, scheduler.last_step.tokens
         running, waiting, usage = len(scheduler.running), len(scheduler.waiting), scheduler.cache.usage
+        prefix = PrefixStats(scheduler.cache.prefix_stats.queries, scheduler.cache.prefix_stats.hits)
         with self.lock:
-            self.running, self.waiting, self.kv_cache_usage = running, waiting, usage
+            self.running, self.waiting, self.kv_cache_usage, self.prefix = running, waiting, usage, prefix
             if batch:  # a step whose every row was cancelled ran nothing
                 self.batch_size.observe(batch)
                 self.tokens.observe(tokens)
@@ -107,6 +118,8 @@ class LoopRecorder:
                 running=self.running,
                 waiting=self.waiting,
                 kv_cache_usage=self.kv_cache_usage,
+                prefix_cache_queries=self.prefix.queries,
+                prefix_cache_hits=self.prefix.hits,
                 batch_size=self.batch_size.snapshot(),
                 tokens=self.tokens.snapshot(),
             )

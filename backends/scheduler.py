@@ -137,6 +137,11 @@ class LoopSettings(BaseModel):
         description="width-invariant passes are those of at most this many sequences (null: every pass); larger "
         "batches run at natural widths, where a tile's extra positions cost real compute",
     )
+    prefix_caching: bool = Field(
+        True,
+        description="reuse the KV blocks of prompt prefixes earlier requests computed (a system prompt, a "
+        "conversation's history, shared documents): only the rest is prefilled; output is unchanged",
+    )
     tile_width: int = Field(
         DEFAULT_TILE_WIDTH,
         ge=2,
@@ -432,11 +437,19 @@ class Scheduler:
         while self.waiting and len(self.running) < self.settings.max_batch:
             row = self.waiting[0]
             needed = len(row.state.prompt_ids) + row.state.request.max_tokens
-            if not self.cache.can_reserve(needed):
+            prefix, salt = self._cacheable_prefix(row), row.state.request.cache_salt
+            if not self.cache.can_reserve(needed, prefix, salt):
                 break  # first come, first served: the head waits for room, and so does everyone behind it
             self.waiting.popleft()
-            row.seq = self.cache.add(reserve=needed)
+            row.seq = self.cache.add(needed, prefix, salt)
+            row.computed = row.state.cached_tokens = self.cache.cached_tokens(row.seq)
             self.running.append(row)
+
+    @staticmethod
+    def _cacheable_prefix(row: Row) -> list[int]:
+        """The prompt to look up in the prefix cache: none for a row whose drafter reads the target's
+        hidden states, which a cached block does not keep (it prefills in full and stays consistent)."""
+        return [] if row.drafter is not None and row.drafter.feature_layers else row.state.prompt_ids
 
     def _prefill(self, rows: list[Row], budget: int) -> None:
         """One pass over prompt chunks: oldest requests first, one chunk width for the pass."""
@@ -454,6 +467,7 @@ class Scheduler:
             return
         for row, block in zip(chosen, blocks, strict=True):
             row.computed += len(block)
+            self.cache.commit(row.seq, row.state.prompt_ids)  # later requests may start from these blocks
         self._report_features(chosen, [len(b) for b in blocks])
         for row, token in zip(done, first, strict=True):
             self._emit(row, [int(token)])
@@ -908,6 +922,8 @@ class Scheduler:
             return
         row.done = True
         if row.seq >= 0:
+            if row.error is None:  # the answer's verified blocks too: a conversation's next turn starts with them
+                self.cache.commit(row.seq, [*row.state.prompt_ids, *row.state.token_ids])
             self.cache.remove(row.seq)
         if row.drafter is not None:
             try:

@@ -35,6 +35,7 @@ from .schemas import (
     CompletionRequest,
     ErrorBody,
     ErrorResponse,
+    PromptTokensDetails,
     SpecrouteOptions,
     Usage,
     new_id,
@@ -399,7 +400,12 @@ async def _first_event(events: AsyncIterator[StreamEvent]) -> StreamEvent:
 
 def _usage(result: GenerationResult) -> Usage:
     total = result.prompt_tokens + result.completion_tokens
-    return Usage(prompt_tokens=result.prompt_tokens, completion_tokens=result.completion_tokens, total_tokens=total)
+    return Usage(
+        prompt_tokens=result.prompt_tokens,
+        completion_tokens=result.completion_tokens,
+        total_tokens=total,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=result.cached_tokens),
+    )
 
 
 def _completion_body(result: GenerationResult, routed: Routed, model: str, chat: bool) -> dict[str, Any]:

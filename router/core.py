@@ -361,6 +361,8 @@ class RouterCore:
                 "token_ids": list(sent),
                 "completion_tokens": len(sent),
                 "prompt_tokens": prepared.prompt_tokens,
+                # the resumed attempt's prompt held the tokens already sent: only the client's prompt counts
+                "cached_tokens": min(result.cached_tokens, prepared.prompt_tokens),
             }
         )
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
@@ -111,6 +111,27 @@ LOOP_METRICS = (
     ),
     MetricSpec(
         "gauge", "vllm:kv_cache_usage_perc", "Share of the KV cache held (0..1)", ("backend",), field="kv_cache_usage"
+    ),
+    MetricSpec(
+        "counter",
+        "vllm:prefix_cache_queries",
+        "Prompt tokens looked up in the prefix cache",
+        ("backend",),
+        field="prefix_cache_queries",
+    ),
+    MetricSpec(
+        "counter",
+        "vllm:prefix_cache_hits",
+        "Prompt tokens found in the prefix cache (not prefilled)",
+        ("backend",),
+        field="prefix_cache_hits",
+    ),
+    MetricSpec(
+        "gauge",
+        "specroute_prefix_cache_hit_rate",
+        "Share of looked-up prompt tokens found in the prefix cache since the replica started (0..1)",
+        ("backend",),
+        field="prefix_cache_hit_rate",
     ),
     MetricSpec(
         "histogram",
@@ -217,8 +238,16 @@ class LoopFamilies(Collector):
         for spec in LOOP_METRICS:
             if spec.kind == "gauge":
                 yield self._gauge(spec)
+            elif spec.kind == "counter":
+                yield self._counter(spec)
             else:
                 yield self._histogram(spec)
+
+    def _counter(self, spec: MetricSpec) -> Metric:
+        counter = CounterMetricFamily(spec.name, spec.documentation, labels=list(spec.labels))
+        for snapshot in self.snapshots:
+            counter.add_metric([snapshot.backend], getattr(snapshot, str(spec.field)))
+        return counter
 
     def _gauge(self, spec: MetricSpec) -> Metric:
         gauge = GaugeMetricFamily(spec.name, spec.documentation, labels=list(spec.labels))

@@ -22,6 +22,7 @@ ForcedBackend = Literal["auto", "speculative", "plain", "quantized"]
 MAX_STOPS = 4
 MAX_STOP_CHARS = 256
 MAX_USER_CHARS = 256
+MAX_SALT_CHARS = 256
 MAX_NAME_CHARS = 64
 MAX_CATEGORY_CHARS = 64
 
@@ -61,6 +62,13 @@ class _Sampling(_Strict):
     presence_penalty: float = Field(0.0, ge=0.0, le=0.0, description="penalties are not supported")
     frequency_penalty: float = Field(0.0, ge=0.0, le=0.0, description="penalties are not supported")
     user: str | None = Field(None, max_length=MAX_USER_CHARS)
+    cache_salt: str | None = Field(
+        None,
+        min_length=1,
+        max_length=MAX_SALT_CHARS,
+        description="prefix-cache isolation (vLLM's field): cached prompt blocks are shared only among requests "
+        "with the same salt, so one tenant's prompts cannot be probed through another's time to first token",
+    )
     specroute: SpecrouteOptions = Field(default_factory=SpecrouteOptions)
 
     @field_validator("stop")
@@ -126,7 +134,13 @@ class ChatCompletionRequest(_Sampling):
         messages = [
             ChatMessage(role="system" if m.role == "developer" else m.role, content=m.text()) for m in self.messages
         ]
-        return GenerationRequest(messages=messages, max_tokens=max_tokens, stop=self.stop, sampling=self.sampling())
+        return GenerationRequest(
+            messages=messages,
+            max_tokens=max_tokens,
+            stop=self.stop,
+            sampling=self.sampling(),
+            cache_salt=self.cache_salt,
+        )
 
 
 class CompletionRequest(_Sampling):
@@ -158,7 +172,13 @@ class CompletionRequest(_Sampling):
 
     def generation(self, max_tokens: int) -> GenerationRequest:
         assert isinstance(self.prompt, str)
-        return GenerationRequest(prompt=self.prompt, max_tokens=max_tokens, stop=self.stop, sampling=self.sampling())
+        return GenerationRequest(
+            prompt=self.prompt,
+            max_tokens=max_tokens,
+            stop=self.stop,
+            sampling=self.sampling(),
+            cache_salt=self.cache_salt,
+        )
 
 
 class SpecrouteInfo(BaseModel):
@@ -183,10 +203,15 @@ class SpecrouteInfo(BaseModel):
     tpot_ms: float | None = None
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = Field(description="prompt tokens served from the prefix cache (not prefilled)")
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
 
 
 def new_id(prefix: str) -> str:

@@ -29,7 +29,7 @@ from policies.engines import ENGINES, EngineName, GgufWeights
 from ..errors import ModelLoadError
 
 if TYPE_CHECKING:
-    from ..kv import BlockStructure
+    from ..kv import BlockStructure, PrefixStats
     from ..models import LoadedModel
     from ..scheduler import LoopSettings
     from ..speculative.drafters import Drafter
@@ -54,7 +54,25 @@ class Engine(Protocol):
         """The most tokens one sequence may ever hold (a longer request is refused at once)."""
         ...
 
-    def add(self, reserve: int = 0) -> int: ...
+    @property
+    def prefix_stats(self) -> PrefixStats:
+        """Prefix-cache lookups so far, in tokens (zeros where the engine keeps no prefix cache)."""
+        ...
+
+    def add(self, reserve: int = 0, prefix: Sequence[int] = (), salt: str | None = None) -> int:
+        """A new sequence promised `reserve` tokens; given its `prefix` (the prompt), an engine with
+        a prefix cache starts it holding the cached blocks of that prefix (`length` says how many
+        tokens), shared only among requests of the same `salt`."""
+        ...
+
+    def cached_tokens(self, seq: int) -> int:
+        """Prompt tokens the sequence found cached when it joined."""
+        ...
+
+    def commit(self, seq: int, tokens: Sequence[int]) -> None:
+        """`tokens` are the sequence's verified context from position 0: its full blocks may be
+        cached for later sequences."""
+        ...
 
     def remove(self, seq: int) -> None: ...
 
@@ -64,7 +82,7 @@ class Engine(Protocol):
 
     def keep_branch(self, seq: int, start: int, kept: Sequence[int]) -> None: ...
 
-    def can_reserve(self, tokens: int) -> bool: ...
+    def can_reserve(self, tokens: int, prefix: Sequence[int] = (), salt: str | None = None) -> bool: ...
 
     def logits(
         self,
@@ -105,7 +123,12 @@ def build_engine(
     from .torch_paged import TorchPagedEngine
 
     return TorchPagedEngine(
-        loaded.model, settings.cache_tokens, feature_layers=feature_layers, tile=tile, tile_rows=settings.tile_max_rows
+        loaded.model,
+        settings.cache_tokens,
+        feature_layers=feature_layers,
+        tile=tile,
+        tile_rows=settings.tile_max_rows,
+        prefix_caching=settings.prefix_caching,
     )
 
 

@@ -54,7 +54,7 @@ import torch
 
 from ..embedded import specroute_home
 from ..errors import ModelLoadError
-from ..kv import BLOCK_TOKENS, BlockStructure, CacheFull
+from ..kv import BLOCK_TOKENS, BlockStructure, CacheFull, PrefixStats
 
 if TYPE_CHECKING:
     from policies.engines import GgufWeights
@@ -216,14 +216,16 @@ class LlamaCppEngine:
         self.threads = max(threads, 1)
         self._free_ids = list(range(max_sequences - 1, -1, -1))
         self.lengths: dict[int, int] = {}
+        self.prefix_stats = PrefixStats()  # no prefix cache on this engine yet: every prompt is prefilled
 
     # -- sequences --------------------------------------------------------------------------
     @property
     def vocab_size(self) -> int:
         return self._vocab
 
-    def add(self, reserve: int = 0) -> int:
-        """A new empty sequence; `reserve` tokens are promised to it (see `can_reserve`)."""
+    def add(self, reserve: int = 0, prefix: Sequence[int] = (), salt: str | None = None) -> int:
+        """A new empty sequence; `reserve` tokens are promised to it (see `can_reserve`). This
+        engine keeps no prefix cache: `prefix` and `salt` find nothing."""
         if not self._free_ids:
             raise CacheFull("every llama.cpp sequence of this context is in use")
         if not self.can_reserve(reserve):
@@ -251,7 +253,13 @@ class LlamaCppEngine:
     def keep_branch(self, seq: int, start: int, kept: Sequence[int]) -> None:
         raise NotImplementedError("the llama.cpp engine verifies chains only (see refusal)")
 
-    def can_reserve(self, tokens: int) -> bool:
+    def cached_tokens(self, seq: int) -> int:
+        return 0
+
+    def commit(self, seq: int, tokens: Sequence[int]) -> None:
+        """Nothing is cached for later sequences on this engine."""
+
+    def can_reserve(self, tokens: int, prefix: Sequence[int] = (), salt: str | None = None) -> bool:
         """A free row whose share holds `tokens`."""
         return bool(self._free_ids) and tokens <= self.sequence_tokens
 

@@ -236,3 +236,98 @@ def test_a_block_structure_must_fit_its_block(tiny_target):
         cache.logits([seq], [[1, 2, 3]], structures=[structure])
     with pytest.raises(ValueError, match="1 block structures for 2 rows"):
         cache.logits([seq, cache.add()], [[1, 2], [3]], structures=[structure])
+
+
+# ---- prefix caching ----
+
+
+def _prefilled(cache: PagedCache, prompt: list[int], salt: str | None = None) -> tuple[int, torch.Tensor]:
+    """A sequence given `prompt`, fed what the cache did not hold, its prompt registered: (seq, last logits)."""
+    seq = cache.add(len(prompt) + 8, prompt, salt)
+    logits = cache.last_logits([seq], [prompt[cache.length(seq) :]])[0]
+    cache.commit(seq, prompt)
+    return seq, logits
+
+
+@torch.inference_mode()
+def test_a_shared_prefix_is_computed_once_and_read_by_every_sequence_that_starts_with_it(tiny_target):
+    model = tiny_target.model
+    cache = PagedCache(model, 1024, block_tokens=4, prefix_caching=True)
+    system = list(range(10, 23))  # 13 tokens: three full blocks
+    first, _ = _prefilled(cache, [*system, 40, 41])
+    second, logits = _prefilled(cache, [*system, 50])
+    assert cache.length(first) == 15 and cache.cached_tokens(second) == 12  # the three full blocks, no more
+    assert cache.sequences[second].blocks[:3] == cache.sequences[first].blocks[:3]  # shared, not copied
+    torch.testing.assert_close(logits, _clean_logits(model, [*system, 50]), **TOL)
+    # a prompt that is exactly cached blocks still feeds its last token: its logits are sampled from
+    exact, logits = _prefilled(cache, system[:12])
+    assert cache.cached_tokens(exact) == 8
+    torch.testing.assert_close(logits, _clean_logits(model, system[:12]), **TOL)
+    assert (cache.prefix_stats.queries, cache.prefix_stats.hits) == (15 + 14 + 12, 0 + 12 + 8)
+    # shared blocks count once: 3 shared, and one of its own each (the last recomputes [18..21])
+    assert cache.usage == pytest.approx(6 / (cache.max_blocks - 1))
+
+
+@torch.inference_mode()
+def test_salts_and_different_tokens_never_share_a_block(tiny_target):
+    cache = PagedCache(tiny_target.model, 1024, block_tokens=4, prefix_caching=True)
+    prompt = list(range(10, 30))
+    _prefilled(cache, prompt, salt="tenant-a")
+    assert cache.cached_tokens(cache.add(30, prompt, "tenant-b")) == 0
+    assert cache.cached_tokens(cache.add(30, prompt)) == 0
+    assert cache.cached_tokens(cache.add(30, prompt, "tenant-a")) == 16
+    # a block is keyed by every token before it: the same second block after another first one is not found
+    assert cache.cached_tokens(cache.add(30, [99, *prompt[1:]], "tenant-a")) == 0
+    off = PagedCache(tiny_target.model, 1024, block_tokens=4)
+    _prefilled(off, prompt)
+    assert off.cached_tokens(off.add(30, prompt)) == 0 and off.prefix_stats.queries == 0
+
+
+@torch.inference_mode()
+def test_only_verified_tokens_are_registered(tiny_target):
+    cache = PagedCache(tiny_target.model, 1024, block_tokens=4, prefix_caching=True)
+    seq = cache.add(40)
+    cache.last_logits([seq], [[10, 11, 12, 13, 14, 15]])
+    cache.logits([seq], [[16, 17, 18, 19, 20]])  # 16 and 17 verified, 18-20 drafts not yet judged
+    cache.commit(seq, [10, 11, 12, 13, 14, 15, 16, 17])  # the caller's verified context
+    assert cache.cached_tokens(cache.add(40, [10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21])) == 8
+    cache.truncate(seq, 8)
+    cache.remove(seq)
+
+
+@torch.inference_mode()
+def test_idle_cached_blocks_are_reused_until_the_pool_needs_them_least_recently_used_first(tiny_target):
+    model = tiny_target.model
+    cache = PagedCache(model, max_tokens=8 * 4, block_tokens=4, prefix_caching=True)  # 8 blocks in all
+    old, new = list(range(10, 19)), list(range(30, 39))  # 9 tokens: two full blocks each
+    for prompt in (old, new):
+        seq, _ = _prefilled(cache, prompt)
+        cache.remove(seq)
+    assert cache.usage == 0 and cache.can_reserve(32)  # idle cached blocks are room
+    assert cache.cached_tokens(cache.add(0, old)) == 8  # `old` is used again: now the most recent
+    cache.remove(max(cache.sequences))
+    filler = cache.add(24)
+    cache.fill(filler, 24)  # the four free blocks, then the two least recently used idle ones: `new`'s
+    assert cache.cached_tokens(cache.add(0, new)) == 0
+    cache.remove(filler)
+    seq, logits = _prefilled(cache, [*old, 77])
+    assert cache.cached_tokens(seq) == 8
+    torch.testing.assert_close(logits, _clean_logits(model, [*old, 77]), **TOL)
+    # blocks another sequence holds are room a newcomer with that prefix does not need
+    assert not cache.can_reserve(20) and cache.can_reserve(20, [*old, 1])
+
+
+@torch.inference_mode()
+def test_cutting_a_sequence_back_into_a_shared_block_copies_it_first(tiny_target):
+    model = tiny_target.model
+    cache = PagedCache(model, 1024, block_tokens=4, prefix_caching=True)
+    prompt = list(range(10, 19))
+    owner, _ = _prefilled(cache, prompt)
+    reader = cache.add(20, prompt)
+    shared = cache.sequences[reader].blocks[1]
+    cache.truncate(reader, 6)  # into its second (shared) block: it will write past position 6
+    assert cache.sequences[reader].blocks[1] != shared
+    logits = cache.last_logits([reader], [[60, 61]])[0]
+    torch.testing.assert_close(logits, _clean_logits(model, [*prompt[:6], 60, 61]), **TOL)
+    ownlogits = cache.last_logits([owner], [[70]])[0]  # the owner's keys were never overwritten
+    torch.testing.assert_close(ownlogits, _clean_logits(model, [*prompt, 70]), **TOL)

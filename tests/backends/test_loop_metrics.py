@@ -11,6 +11,7 @@ import pytest
 
 from backends import loop_metrics
 from backends.generation import GenerationRequest
+from backends.kv import PrefixStats
 from backends.loop_metrics import LoopRecorder, LoopSnapshot
 from backends.scheduler import LoopSettings, Scheduler, StepRecord
 from backends.serving import ServingLoop
@@ -43,6 +44,23 @@ def test_a_row_counts_in_the_step_it_finishes_in(tiny_target):
     assert last.batch_size.cumulative[:4] == [2, 4, 7, 7] and last.batch_size.sum == 3 * 3 + 2 * 2 + 1 * 2
     assert last.tokens.cumulative[:4] == [2, 4, 6, 7] and last.tokens.sum == 4 + 6 + 8
     assert (last.running, last.waiting, last.kv_cache_usage) == (0, 0, 0.0)
+
+
+def test_prefix_cache_lookups_are_counted_in_prompt_tokens(tiny_target):
+    scheduler = Scheduler(tiny_target, LoopSettings())
+    recorder = LoopRecorder("plain", ray_export=False)
+    text = "A prompt long enough to fill at least two blocks of sixteen tokens each, and then some more words"
+    prompt_tokens = len(tiny_target.tokenizer(text).input_ids)
+    first = scheduler.submit(_request(2, text))
+    while not first.done:
+        snapshot = _step(scheduler, recorder)
+    assert (snapshot.prefix_cache_queries, snapshot.prefix_cache_hits) == (prompt_tokens, 0)
+    second = scheduler.submit(_request(2, text))
+    snapshot = _step(scheduler, recorder)
+    hits = second.state.cached_tokens
+    assert hits == (prompt_tokens - 1) // 16 * 16 > 0
+    assert (snapshot.prefix_cache_queries, snapshot.prefix_cache_hits) == (2 * prompt_tokens, hits)
+    assert snapshot.prefix_cache_hit_rate == hits / (2 * prompt_tokens)
 
 
 def test_a_row_cancelled_before_a_step_does_not_count_in_it(tiny_target):
@@ -98,9 +116,8 @@ def _fake_loop(rows: int, idle: bool = False, ran: int | None = None) -> SimpleN
     `rows`) sequences and appended a token to each."""
     ran = rows if ran is None else ran
     running = [SimpleNamespace(key=k) for k in range(rows)]
-    return SimpleNamespace(
-        running=running, waiting=deque(), cache=SimpleNamespace(usage=0.25), idle=idle, last_step=StepRecord(ran, ran)
-    )
+    cache = SimpleNamespace(usage=0.25, prefix_stats=PrefixStats())
+    return SimpleNamespace(running=running, waiting=deque(), cache=cache, idle=idle, last_step=StepRecord(ran, ran))
 
 
 def test_the_ray_export_is_throttled_but_follows_the_loop_into_idle(monkeypatch):

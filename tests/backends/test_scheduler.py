@@ -186,6 +186,78 @@ def test_many_schedules_of_the_plain_loop_match_decoding_alone(tiny_target, pool
         assert [r.token_ids for r in results] == [tiny_references(a.request) for a in arrivals], f"seed {seed}"
 
 
+# ---- prefix caching ----
+
+SYSTEM = (
+    "You are a careful assistant for a bakery. Answer in one short sentence, name the bread, and never "
+    "mention prices. Opening hours are from seven to three."
+)
+
+
+def _shared_prefix_pool() -> list[GenerationRequest]:
+    """Requests that share prefixes as traffic does: one system prompt before different questions,
+    a conversation's next turns carrying its history, and raw prompts that extend one another."""
+    questions = ["Which bread is the softest?", "What do you bake on Sundays?", "Is rye bread sour?"]
+    history: list[dict] = [{"role": "system", "content": SYSTEM}]
+    pool = []
+    for question in questions:
+        history = [*history, {"role": "user", "content": question}]
+        pool.append(GenerationRequest(messages=[history[0], history[-1]]))
+        pool.append(GenerationRequest(messages=history))
+        history = [*history, {"role": "assistant", "content": "The baker says it depends on the flour."}]
+    document = "Bread rises because yeast turns sugar into gas. " * 6
+    pool += [GenerationRequest(prompt=document + tail) for tail in ("Summary:", "Question: why does it rise?")]
+    return pool
+
+
+@pytest.mark.parametrize("kind", ["plain", "agreeing-model", "early-exit"])
+def test_prefix_cache_hits_of_any_length_leave_greedy_output_unchanged(tiny_target, tiny_references, kind):
+    """Random arrivals of requests sharing prefixes, under a pool small enough to evict cached
+    blocks: every answer is the plain engine's alone, and later requests start from cached blocks."""
+    drafters, pool = _drafters(kind, tiny_target), _shared_prefix_pool()
+    names: list[str | None] = [d.name for d in drafters] or [None]
+    for seed in (3, 4):
+        scheduler = Scheduler(tiny_target, TIGHT, [d.fresh() for d in drafters], k="auto" if seed % 2 else 3)
+        arrivals = random_schedule(seed, pool, 10, names)
+        results = run_schedule(scheduler, arrivals)
+        for i, (arrival, result) in enumerate(zip(arrivals, results, strict=True)):
+            assert result.token_ids == tiny_references(arrival.request), f"seed {seed}, request {i}"
+        hits = [r.cached_tokens for r in results]
+        assert any(hits) and sum(hits) == scheduler.cache.prefix_stats.hits, hits
+        assert all(h < r.prompt_tokens for h, r in zip(hits, results, strict=True))
+        assert scheduler.cache.sequences == {} and scheduler.cache.usage == 0
+
+
+def test_prefix_caching_off_and_other_salts_find_nothing(tiny_target):
+    request = GenerationRequest(messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hi"}])
+    salted = [request.model_copy(update={"cache_salt": salt}) for salt in ("a", "b", "a")]
+    scheduler = Scheduler(tiny_target, LoopSettings())
+    assert [scheduler.generate([r])[0].cached_tokens > 0 for r in [request, request, *salted]] == [
+        False,
+        True,
+        False,  # the first of salt "a": nothing of an unsalted prompt is shared with it
+        False,
+        True,
+    ]
+    off = Scheduler(tiny_target, LoopSettings(prefix_caching=False))
+    assert [off.generate([request])[0].cached_tokens for _ in range(2)] == [0, 0]
+    assert off.cache.prefix_stats.queries == 0
+
+
+def test_a_drafter_reading_the_targets_hidden_states_prefills_its_rows_in_full(tiny_target, monkeypatch):
+    drafter = lookup()
+    monkeypatch.setattr(drafter, "feature_layers", (1,))  # as EAGLE and Medusa read them
+    monkeypatch.setattr(drafter, "observe_target", lambda rows, features: None)
+    scheduler = Scheduler(tiny_target, LoopSettings(), [drafter], k=2)
+    request = GenerationRequest(messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hi"}])
+    assert [scheduler.generate([request], drafters=[d])[0].cached_tokens > 0 for d in ("plain", None, None)] == [
+        False,
+        False,  # its features of the cached positions were never computed
+        False,
+    ]
+    assert scheduler.generate([request], drafters=["plain"])[0].cached_tokens > 0  # the blocks were cached
+
+
 # ---- scheduling, on a tiny model ----
 
 
@@ -388,10 +460,12 @@ def test_sampled_rows_joining_and_leaving_keep_the_targets_distribution(tiny_tar
     vocab = tiny_target.model.config.vocab_size
     drafter = ModelDrafter(perturbed(tiny_target.model, noise=0.4, seed=9), vocab)
     scheduler = Scheduler(tiny_target, LoopSettings(max_batch=6), [drafter], k=2)
-    prompt = "Once upon a time"
+    # Long enough for full KV blocks: most rows start from the prefix cache, the first of a batch does not.
+    prompt = "Once upon a time, in a small town by the sea, there lived a baker"
     samples = _sampled_among_others(scheduler, prompt, ["A much longer prompt about something else entirely", "Hi"], 8)
     totals = scheduler.drafter_totals[drafter.name]
     assert 0.1 * totals.draft_tokens < totals.accepted_tokens < 0.95 * totals.draft_tokens  # both paths ran
+    assert 0 < scheduler.cache.prefix_stats.hits < scheduler.cache.prefix_stats.queries
     assert _matches_target(samples, _exact_joint(tiny_target, tiny_target.tokenizer(prompt).input_ids, SAMPLING))
 
 

@@ -38,6 +38,9 @@ def tokenizer():
     return load_tokenizer()
 
 
+CACHED = 4  # prompt tokens every fake answer found in the prefix cache
+
+
 class FakePool:
     """A `BackendPool` streaming WORDS one token per event, then a final event with the result.
 
@@ -91,6 +94,7 @@ class FakePool:
             tpot_s=0.01,
             seed=request["sampling"].get("seed") or 7,
             speculation=stats,
+            cached_tokens=CACHED,
         )
         yield StreamEvent(result=result)
 
@@ -346,7 +350,12 @@ def test_chat_completion_has_the_openai_shape_and_specroute(client, pool):
     [choice] = body["choices"]
     assert choice["index"] == 0 and choice["message"] == {"role": "assistant", "content": "".join(WORDS)}
     assert choice["finish_reason"] == "length"
-    assert body["usage"] == {"prompt_tokens": 11, "completion_tokens": 6, "total_tokens": 17}
+    assert body["usage"] == {
+        "prompt_tokens": 11,
+        "completion_tokens": 6,
+        "total_tokens": 17,
+        "prompt_tokens_details": {"cached_tokens": CACHED},
+    }
     info = body["specroute"]
     assert info["backend"] == "speculative" and info["drafter"] == "ngram" and info["k"] >= 1
     assert info["stage"] == "speculation" and info["reasons"] and all(isinstance(r, str) for r in info["reasons"])
@@ -437,7 +446,12 @@ def test_streaming_chat_with_usage(client):
     assert events[-1] == "[DONE]"
     *chunks, usage = events[:-1]
     assert usage["choices"] == []
-    assert usage["usage"] == {"prompt_tokens": 11, "completion_tokens": 6, "total_tokens": 17}
+    assert usage["usage"] == {
+        "prompt_tokens": 11,
+        "completion_tokens": 6,
+        "total_tokens": 17,
+        "prompt_tokens_details": {"cached_tokens": CACHED},
+    }
     assert usage["specroute"]["backend"] == "speculative"
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
     assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == "".join(WORDS)
@@ -674,6 +688,15 @@ def test_a_failed_backend_is_finished_on_plain_without_losing_tokens(client, poo
     assert resumed["resume_ids"] == pool.ids[0] + pool.ids[1] and drafter is None
     assert resumed["max_tokens"] == 8 - 2
     assert resumed["messages"] == pool.calls[0][1]["messages"]
+
+
+def test_a_cache_salt_reaches_the_backend_and_a_bad_one_is_refused(client, pool):
+    response = client.post(CHAT, json=chat_body(cache_salt="tenant-7"))
+    assert response.status_code == 200, response.text
+    assert pool.calls[-1][1]["cache_salt"] == "tenant-7"
+    for bad in ("", "x" * 257, 7):
+        response = client.post(CHAT, json=chat_body(cache_salt=bad))
+        assert response.status_code == 400 and "cache_salt" in response.text, response.text
 
 
 def test_a_failed_stream_is_finished_on_plain(client, pool, core):

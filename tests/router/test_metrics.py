@@ -47,6 +47,8 @@ def _snapshot(backend: str) -> LoopSnapshot:
         running=3,
         waiting=2,
         kv_cache_usage=0.375,
+        prefix_cache_queries=400,
+        prefix_cache_hits=300,
         batch_size=histogram([1, 2, 4], 17.0),  # steps of 1, 2, 3, 4 and 7 sequences
         tokens=histogram([0, 1, 3], 29.0),
     )
@@ -112,6 +114,9 @@ def test_each_answering_backend_has_its_loop_labelled_and_a_silent_one_has_none(
         assert samples[("vllm:num_requests_running", label)] == 3
         assert samples[("vllm:num_requests_waiting", label)] == 2
         assert samples[("vllm:kv_cache_usage_perc", label)] == 0.375
+        assert samples[("vllm:prefix_cache_queries_total", label)] == 400
+        assert samples[("vllm:prefix_cache_hits_total", label)] == 300
+        assert samples[("specroute_prefix_cache_hit_rate", label)] == 0.75
         buckets = [
             samples[("specroute_batch_size_per_step_bucket", label | {("le", le)})] for le in ("1.0", "2.0", "4.0")
         ]
@@ -120,6 +125,7 @@ def test_each_answering_backend_has_its_loop_labelled_and_a_silent_one_has_none(
         assert samples[("specroute_batch_size_per_step_sum", label)] == 17
         assert samples[("specroute_generated_tokens_per_step_sum", label)] == 29
     assert types["specroute_batch_size_per_step"] == types["specroute_generated_tokens_per_step"] == "histogram"
+    assert types["vllm:prefix_cache_queries"] == types["vllm:prefix_cache_hits"] == "counter"
     loop_families = ("vllm:num_requests", "vllm:kv_cache", "specroute_batch_size", "specroute_generated_tokens")
     backends = {dict(labels)["backend"] for name, labels in samples if name.startswith(loop_families)}
     assert backends == {"speculative", "quantized"}  # plain did not answer: no zeros for it
