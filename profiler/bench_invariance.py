@@ -26,9 +26,10 @@ from .workloads import load_prompt_set
 Mode = Literal["alone", "every-pass", "off"]
 # Each mode's loop settings: tiles on passes of one sequence (the default), on every pass, on none.
 MODES: dict[str, LoopSettings] = {
-    "alone": LoopSettings(width_invariant="on", tile_max_rows=1),
-    "every-pass": LoopSettings(width_invariant="on", tile_max_rows=None),
-    "off": LoopSettings(width_invariant="off"),
+    # Prompts repeat across batches: cached prefixes would change how each prompt is prefilled.
+    "alone": LoopSettings(width_invariant="on", tile_max_rows=1, prefix_caching=False),
+    "every-pass": LoopSettings(width_invariant="on", tile_max_rows=None, prefix_caching=False),
+    "off": LoopSettings(width_invariant="off", prefix_caching=False),
 }
 
 

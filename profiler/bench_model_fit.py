@@ -305,7 +305,12 @@ def run_model_fit(config: ModelFitConfig, progress: bool = True) -> ModelFitRepo
         raise ProfileError(f"{path} profiles {profile.model.name} ({profile.model.dtype}), not this model")
     # Every row is prefilled in the first step, so the first token ends the shared prefill for every
     # row of both engines and what is timed after it is decoding alone.
-    loop = LoopSettings(max_batch=max(config.batches), max_step_tokens=MAX_STEP_TOKENS, prefill_chunk=MAX_STEP_TOKENS)
+    loop = LoopSettings(
+        max_batch=max(config.batches),
+        max_step_tokens=MAX_STEP_TOKENS,
+        prefill_chunk=MAX_STEP_TOKENS,
+        prefix_caching=False,  # every run prefills its prompts, as the model fits them
+    )
     costs = seeded_step_costs(loaded, profile.target, loop, context=profile.context)
     if max(config.ks) + 1 > costs.max_width:
         raise ProfileError(f"the profile measured passes up to {costs.max_width} tokens: k ≤ {costs.max_width - 1}")

@@ -217,7 +217,13 @@ def _llamacpp_section(
     for index, weights in enumerate(config.gguf_weights):
         engine = Scheduler(
             loaded,
-            LoopSettings(engine="llamacpp", gguf_weights=weights, max_batch=widest, kv_cache_tokens=widest * 1024),
+            LoopSettings(
+                engine="llamacpp",
+                gguf_weights=weights,
+                max_batch=widest,
+                kv_cache_tokens=widest * 1024,
+                prefix_caching=False,
+            ),
         )
         runs: dict[str, Callable[[GenerationRequest], list[int]]] = {
             "engine": lambda r, engine=engine: engine.generate([r])[0].token_ids,

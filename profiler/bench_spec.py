@@ -78,7 +78,10 @@ class BenchSpecConfig(LoopBenchTarget):
 
     @property
     def loop(self) -> LoopSettings:
-        return LoopSettings(tile_width=self.tile_width, engine=self.engine, gguf_weights=self.gguf_weights)
+        # Rounds repeat the prompts: each must prefill in full, as the peer's and the first round's do.
+        return LoopSettings(
+            tile_width=self.tile_width, engine=self.engine, gguf_weights=self.gguf_weights, prefix_caching=False
+        )
 
     @field_validator("fixed_k", mode="before")
     @classmethod

@@ -201,7 +201,8 @@ class ProfileConfig(ModelSettings):
 
     def loop(self) -> LoopSettings:
         """The step loop the profiled backends run: the engine and the weights it serves."""
-        return LoopSettings(engine=self.engine, gguf_weights=self.gguf_weights)
+        # The profile measures uncached costs (prompts repeat across its runs): no prefix cache.
+        return LoopSettings(engine=self.engine, gguf_weights=self.gguf_weights, prefix_caching=False)
 
     _engine_drafters = model_validator(mode="before")(with_engine_drafters)
 
@@ -635,7 +636,7 @@ def measure_gguf_quality(ref: Reference, loaded: LoadedModel, weights: GgufWeigh
     """The llama.cpp engine serving `weights` against the float target's `ref`: its step loop's
     greedy answers, and its teacher-forced logits and perplexity (llama.cpp passes of its own)."""
     path = gguf_file(loaded, weights)
-    loop = Scheduler(loaded, LoopSettings(engine="llamacpp", gguf_weights=weights, max_batch=4))
+    loop = Scheduler(loaded, LoopSettings(engine="llamacpp", gguf_weights=weights, max_batch=4, prefix_caching=False))
     try:
         answers = [r.token_ids for r in loop.generate(list(ref.requests))]
     finally:
@@ -653,7 +654,7 @@ def measure_gguf_quantized(
     """The llama.cpp engine's quantized backend: the file requantized to `weights`, its 1-token pass
     timed like the target's, its quality against the float target measured as the served
     weights' is (`measure_gguf_quality`)."""
-    kinds, loop = config.stacked, LoopSettings(engine="llamacpp", gguf_weights=weights)
+    kinds, loop = config.stacked, LoopSettings(engine="llamacpp", gguf_weights=weights, prefix_caching=False)
     widths = list(range(1, config.max_width + 1)) if kinds else [1]
     curve = measure_curve(loaded, config, widths, f"{weights} t(b, n)", progress, weights)
     with all_cores():
@@ -746,7 +747,7 @@ def measure_context(
     fewer than two contexts of any batch fit."""
     contexts = sorted({*config.contexts, config.context_tokens})
     picked = sorted({widths[0], widths[len(widths) // 2], widths[-1]})
-    loop, dtype = LoopSettings(), loaded.info.dtype
+    loop, dtype = LoopSettings(prefix_caching=False), loaded.info.dtype
     tile = loop.tile(dtype)
     started, grid = clock(), []
     bar = tqdm(
