@@ -254,13 +254,23 @@ class PagedCache:
         passes, whose cost depends on how long the context is, never on what it holds."""
         self._grow(seq, count)
 
-    def can_reserve(self, tokens: int, prefix: Sequence[int] = (), salt: str | None = None) -> bool:
-        """Would a sequence promised `tokens` fit beside every reservation already made? With its
-        `prefix`, cached blocks it would share count as held already (and idle cached ones it
-        would take back from the pool as spent)."""
+    def can_reserve(self, tokens: int, prefix: Sequence[int] = (), salt: str | None = None, growing: int = 0) -> bool:
+        """Would a sequence promised `tokens` fit beside every reservation already made, leaving a
+        block for each of `growing` sequences to grow into? With its `prefix`, cached blocks it
+        would share count as held already (and idle cached ones it would take back as spent)."""
         found = [block for _, block in self._lookup(prefix, self._root(salt))]
         revived = sum(block in self._evictable for block in found)
-        return self._blocks_for(tokens) - len(found) + revived <= self._unpromised_blocks()
+        return self._blocks_for(tokens) - len(found) + revived + growing <= self._unpromised_blocks()
+
+    def spare_blocks(self) -> int:
+        """Blocks no sequence holds or was promised: what sequences growing past their promise share."""
+        return self._unpromised_blocks()
+
+    def growth_blocks(self, seq: int, tokens: int) -> int:
+        """Blocks the sequence would take beyond what it holds and was promised, for `tokens` more."""
+        state = self.sequences[seq]
+        owned = max(len(state.blocks), self._blocks_for(state.reserved))
+        return max(self._blocks_for(state.length + tokens) - owned, 0)
 
     @property
     def usage(self) -> float:

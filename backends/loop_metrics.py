@@ -48,6 +48,7 @@ class LoopSnapshot(BaseModel):
     kv_cache_usage: float = Field(ge=0, description="share of the KV cache held, 0..1 (vLLM's kv_cache_usage_perc)")
     prefix_cache_queries: int = Field(0, ge=0, description="prompt tokens looked up in the prefix cache so far")
     prefix_cache_hits: int = Field(0, ge=0, description="prompt tokens found in the prefix cache so far")
+    preemptions: int = Field(0, ge=0, description="rows preempted for KV blocks so far (resumed later)")
     batch_size: HistogramSnapshot = Field(description="sequences in each step")
     tokens: HistogramSnapshot = Field(description="tokens each step generated (with accepted drafts)")
 
@@ -93,6 +94,7 @@ class LoopRecorder:
         self.running = self.waiting = 0
         self.kv_cache_usage = 0.0
         self.prefix = PrefixStats()
+        self.preemptions = 0
         self.batch_size, self.tokens = _Histogram(BATCH_BUCKETS), _Histogram(TOKEN_BUCKETS)
         self.exporter = RayLoopExporter(backend) if ray_export else None
         self.unexported: list[int] = []  # batch sizes of the steps since the last export
@@ -105,6 +107,7 @@ class LoopRecorder:
         prefix = PrefixStats(scheduler.cache.prefix_stats.queries, scheduler.cache.prefix_stats.hits)
         with self.lock:
             self.running, self.waiting, self.kv_cache_usage, self.prefix = running, waiting, usage, prefix
+            self.preemptions = scheduler.preemptions
             if batch:  # a step whose every row was cancelled ran nothing
                 self.batch_size.observe(batch)
                 self.tokens.observe(tokens)
@@ -120,6 +123,7 @@ class LoopRecorder:
                 kv_cache_usage=self.kv_cache_usage,
                 prefix_cache_queries=self.prefix.queries,
                 prefix_cache_hits=self.prefix.hits,
+                preemptions=self.preemptions,
                 batch_size=self.batch_size.snapshot(),
                 tokens=self.tokens.snapshot(),
             )

@@ -188,14 +188,20 @@ class Row:
     probe_every: int = PROBE_EVERY  # the declined proposal that is probed anyway (backs off)
     probing: bool = False  # this step verifies a probe
     seq: int = -1  # the target cache's sequence, once admitted
-    computed: int = 0  # prompt tokens already in the cache
+    computed: int = 0  # tokens of `context` already in the cache
+    resume: list[int] | None = None  # preempted: the prompt and verified tokens to prefill again
     cancelled: bool = False
     done: bool = False
     error: BaseException | None = field(default=None, repr=False)
 
     @property
+    def context(self) -> list[int]:
+        """What the row prefills: its prompt, or after a preemption every token it had in the cache."""
+        return self.resume if self.resume is not None else self.state.prompt_ids
+
+    @property
     def prefilled(self) -> bool:
-        return self.computed >= len(self.state.prompt_ids)
+        return self.computed >= len(self.context)
 
     @property
     def stats(self) -> SpeculationStats | None:
@@ -307,6 +313,7 @@ class Scheduler:
         self.running: list[Row] = []
         self._next_key = 0
         self.steps = 0
+        self.preemptions = 0  # rows preempted for KV blocks since the loop started
         self.last_step = StepRecord(0, 0)
 
     # -- requests ---------------------------------------------------------------------------
@@ -407,6 +414,7 @@ class Scheduler:
     def step(self) -> None:
         self.steps += 1
         self._drop_cancelled()
+        self._make_room()
         self._admit()
         ran, before = list(self.running), sum(len(r.state.token_ids) for r in self.running)
         prefilling = [r for r in self.running if not r.prefilled]
@@ -434,30 +442,67 @@ class Scheduler:
         self.waiting = kept
 
     def _admit(self) -> None:
+        """First come, first served, while a row is free and the pool holds the head's context and
+        one step of growth — leaving a block of growth to every running row. Memory is promised
+        lazily: a row takes more blocks as it grows (`_make_room`), not its `max_tokens` up front."""
         while self.waiting and len(self.running) < self.settings.max_batch:
             row = self.waiting[0]
-            needed = len(row.state.prompt_ids) + row.state.request.max_tokens
+            state = row.state  # never more than the whole request: one that fills the pool alone still fits
+            needed = min(len(row.context) + self.widest, len(state.prompt_ids) + state.request.max_tokens)
             prefix, salt = self._cacheable_prefix(row), row.state.request.cache_salt
-            if not self.cache.can_reserve(needed, prefix, salt):
-                break  # first come, first served: the head waits for room, and so does everyone behind it
+            if not self.cache.can_reserve(needed, prefix, salt, growing=len(self.running)):
+                break  # the head waits for room, and so does everyone behind it
             self.waiting.popleft()
             row.seq = self.cache.add(needed, prefix, salt)
-            row.computed = row.state.cached_tokens = self.cache.cached_tokens(row.seq)
+            row.computed = self.cache.length(row.seq)
+            if row.resume is None:
+                row.state.cached_tokens = self.cache.cached_tokens(row.seq)
             self.running.append(row)
+
+    def _make_room(self) -> None:
+        """Every row that decodes this step gets a block for its newest token if it needs one: while
+        the pool cannot give them all, the most recently admitted row is preempted (vLLM's recompute
+        preemption). A lone row always fits: `check` refused any request the pool cannot hold."""
+        while len(self.running) > 1:
+            need = sum(self.cache.growth_blocks(r.seq, 1) for r in self.running if r.prefilled)
+            if need <= self.cache.spare_blocks():
+                return
+            self._preempt(self.running[-1])
+
+    def _preempt(self, row: Row) -> None:
+        """The row leaves the batch and waits at the head of the queue, keeping every token it
+        produced: on its return it prefills its prompt and those tokens again (from cached blocks
+        where the pool kept them) and decodes on. Its stream pauses; its tokens do not change."""
+        self.preemptions += 1
+        self.running.remove(row)
+        if row.drafter is not None and row.drafter.feature_layers:
+            try:  # it will be told the target's features of the whole context again, as it is prefilled
+                row.drafter.release(row.key)
+            except Exception as exc:  # that drafter's state is lost: this row alone ends
+                self._fail(row, exc)
+                return
+        verified = [*row.state.prompt_ids, *row.state.token_ids]
+        self.cache.commit(row.seq, verified)
+        self.cache.remove(row.seq)
+        row.seq, row.computed = -1, 0
+        row.resume = verified[:-1] if row.state.token_ids else None  # the newest token is fed by the next step
+        self.waiting.appendleft(row)
 
     @staticmethod
     def _cacheable_prefix(row: Row) -> list[int]:
         """The prompt to look up in the prefix cache: none for a row whose drafter reads the target's
         hidden states, which a cached block does not keep (it prefills in full and stays consistent)."""
-        return [] if row.drafter is not None and row.drafter.feature_layers else row.state.prompt_ids
+        return [] if row.drafter is not None and row.drafter.feature_layers else row.context
 
     def _prefill(self, rows: list[Row], budget: int) -> None:
         """One pass over prompt chunks: oldest requests first, one chunk width for the pass."""
-        width = min(self.settings.prefill_chunk, max(len(r.state.prompt_ids) - r.computed for r in rows), budget)
+        width = min(self.settings.prefill_chunk, max(len(r.context) - r.computed for r in rows), budget)
         chosen = rows[: max(1, budget // width)]
-        blocks = [r.state.prompt_ids[r.computed : r.computed + width] for r in chosen]
-        ready = [b for b, r in enumerate(chosen) if r.computed + len(blocks[b]) >= len(r.state.prompt_ids)]
-        done = [chosen[b] for b in ready]  # their prompt's last chunk goes in now: they sample a first token
+        blocks = [r.context[r.computed : r.computed + width] for r in chosen]
+        ready = [b for b, r in enumerate(chosen) if r.computed + len(blocks[b]) >= len(r.context)]
+        # Their prompt's last chunk goes in now: they sample a first token (a resumed row has one).
+        ready = [b for b in ready if not chosen[b].state.token_ids]
+        done = [chosen[b] for b in ready]
         try:
             logits = self.cache.last_logits([r.seq for r in chosen], blocks)
             params, generators = [r.draft.sampling for r in done], [r.draft.generator for r in done]
@@ -467,7 +512,7 @@ class Scheduler:
             return
         for row, block in zip(chosen, blocks, strict=True):
             row.computed += len(block)
-            self.cache.commit(row.seq, row.state.prompt_ids)  # later requests may start from these blocks
+            self.cache.commit(row.seq, row.context)  # later requests may start from these blocks
         self._report_features(chosen, [len(b) for b in blocks])
         for row, token in zip(done, first, strict=True):
             self._emit(row, [int(token)])
@@ -475,6 +520,8 @@ class Scheduler:
     def _decode(self, rows: list[Row]) -> None:
         """One target pass for every running row, with drafts where they pay."""
         ks = self._plan(rows)
+        if self._drafts_overflow(rows, ks):  # a plain step is exact too, and `_make_room` kept room for it
+            ks = [0] * len(rows)
         proposed = self._propose(rows, ks)
         live = [b for b, r in enumerate(rows) if not r.done]  # a drafter failure ended some rows
         rows, ks = [rows[b] for b in live], [ks[b] for b in live]
@@ -534,6 +581,13 @@ class Scheduler:
         )
         for row, tokens in zip(rows, verified.emitted, strict=True):
             self._emit(row, tokens)
+
+    def _drafts_overflow(self, rows: list[Row], ks: list[int]) -> bool:
+        """Would this step's drafts (at most `widest` tokens a row) need more blocks than the pool spares?"""
+        if not any(ks):
+            return False
+        need = sum(self.cache.growth_blocks(r.seq, self.widest if k else 1) for r, k in zip(rows, ks, strict=True))
+        return need > self.cache.spare_blocks()
 
     # -- speculation ------------------------------------------------------------------------
     def _plan(self, rows: list[Row]) -> list[int]:

@@ -127,6 +127,13 @@ LOOP_METRICS = (
         field="prefix_cache_hits",
     ),
     MetricSpec(
+        "counter",
+        "vllm:num_preemptions",
+        "Rows preempted for KV blocks (they wait, then prefill their tokens again and go on)",
+        ("backend",),
+        field="preemptions",
+    ),
+    MetricSpec(
         "gauge",
         "specroute_prefix_cache_hit_rate",
         "Share of looked-up prompt tokens found in the prefix cache since the replica started (0..1)",

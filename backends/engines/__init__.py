@@ -82,7 +82,18 @@ class Engine(Protocol):
 
     def keep_branch(self, seq: int, start: int, kept: Sequence[int]) -> None: ...
 
-    def can_reserve(self, tokens: int, prefix: Sequence[int] = (), salt: str | None = None) -> bool: ...
+    def can_reserve(self, tokens: int, prefix: Sequence[int] = (), salt: str | None = None, growing: int = 0) -> bool:
+        """Room for a new sequence promised `tokens` (sharing the cached blocks of `prefix`), with a
+        block left for each of `growing` running sequences to grow into."""
+        ...
+
+    def spare_blocks(self) -> int:
+        """Room no sequence holds or was promised, in blocks (what sequences grow into)."""
+        ...
+
+    def growth_blocks(self, seq: int, tokens: int) -> int:
+        """Blocks the sequence would take from the spare room to hold `tokens` more."""
+        ...
 
     def logits(
         self,

@@ -259,8 +259,15 @@ class LlamaCppEngine:
     def commit(self, seq: int, tokens: Sequence[int]) -> None:
         """Nothing is cached for later sequences on this engine."""
 
-    def can_reserve(self, tokens: int, prefix: Sequence[int] = (), salt: str | None = None) -> bool:
-        """A free row whose share holds `tokens`."""
+    def spare_blocks(self) -> int:
+        """Nothing is shared to grow into: each sequence owns a fixed share of the context."""
+        return 0
+
+    def growth_blocks(self, seq: int, tokens: int) -> int:
+        return 0  # its share holds every request `check` admitted
+
+    def can_reserve(self, tokens: int, prefix: Sequence[int] = (), salt: str | None = None, growing: int = 0) -> bool:
+        """A free row whose share holds `tokens` (every sequence has its own share to grow in)."""
         return bool(self._free_ids) and tokens <= self.sequence_tokens
 
     @property

@@ -63,6 +63,15 @@ def test_prefix_cache_lookups_are_counted_in_prompt_tokens(tiny_target):
     assert snapshot.prefix_cache_hit_rate == hits / (2 * prompt_tokens)
 
 
+def test_preemptions_are_counted(tiny_target):
+    scheduler = Scheduler(tiny_target, LoopSettings(max_batch=8, kv_cache_tokens=64))
+    recorder = LoopRecorder("plain", ray_export=False)
+    rows = [scheduler.submit(_request(40, text)) for text in ("Hello there", "Good morning")]
+    while not all(r.done for r in rows):
+        snapshot = _step(scheduler, recorder)
+    assert snapshot.preemptions == scheduler.preemptions > 0
+
+
 def test_a_row_cancelled_before_a_step_does_not_count_in_it(tiny_target):
     scheduler = Scheduler(tiny_target, LoopSettings(max_batch=1))
     recorder = LoopRecorder("plain", ray_export=False)
@@ -117,7 +126,9 @@ def _fake_loop(rows: int, idle: bool = False, ran: int | None = None) -> SimpleN
     ran = rows if ran is None else ran
     running = [SimpleNamespace(key=k) for k in range(rows)]
     cache = SimpleNamespace(usage=0.25, prefix_stats=PrefixStats())
-    return SimpleNamespace(running=running, waiting=deque(), cache=cache, idle=idle, last_step=StepRecord(ran, ran))
+    return SimpleNamespace(
+        running=running, waiting=deque(), cache=cache, idle=idle, last_step=StepRecord(ran, ran), preemptions=0
+    )
 
 
 def test_the_ray_export_is_throttled_but_follows_the_loop_into_idle(monkeypatch):

@@ -210,22 +210,34 @@ def _shared_prefix_pool() -> list[GenerationRequest]:
     return pool
 
 
+# A pool two long prompts overfill: rows are preempted and cached blocks evicted.
+SCARCE = TIGHT.model_copy(update={"kv_cache_tokens": 256})
+
+
+@pytest.mark.parametrize("settings", [TIGHT, SCARCE], ids=["tight", "scarce"])
 @pytest.mark.parametrize("kind", ["plain", "agreeing-model", "early-exit"])
-def test_prefix_cache_hits_of_any_length_leave_greedy_output_unchanged(tiny_target, tiny_references, kind):
-    """Random arrivals of requests sharing prefixes, under a pool small enough to evict cached
-    blocks: every answer is the plain engine's alone, and later requests start from cached blocks."""
+def test_prefix_hits_and_preemptions_leave_greedy_output_unchanged(tiny_target, tiny_references, kind, settings):
+    """Random arrivals of requests sharing prefixes: every answer is the plain engine's alone,
+    later requests start from cached blocks, and in a scarce pool rows are preempted and resumed."""
     drafters, pool = _drafters(kind, tiny_target), _shared_prefix_pool()
     names: list[str | None] = [d.name for d in drafters] or [None]
+    preemptions = 0
     for seed in (3, 4):
-        scheduler = Scheduler(tiny_target, TIGHT, [d.fresh() for d in drafters], k="auto" if seed % 2 else 3)
+        scheduler = Scheduler(tiny_target, settings, [d.fresh() for d in drafters], k="auto" if seed % 2 else 3)
         arrivals = random_schedule(seed, pool, 10, names)
+        if settings is SCARCE:  # long answers: rows outgrow what admission left them
+            for arrival in arrivals:
+                arrival.request = arrival.request.model_copy(update={"max_tokens": 64, "ignore_eos": True})
         results = run_schedule(scheduler, arrivals)
         for i, (arrival, result) in enumerate(zip(arrivals, results, strict=True)):
             assert result.token_ids == tiny_references(arrival.request), f"seed {seed}, request {i}"
         hits = [r.cached_tokens for r in results]
-        assert any(hits) and sum(hits) == scheduler.cache.prefix_stats.hits, hits
+        found = scheduler.cache.prefix_stats.hits  # with a resumed row's lookups, which its usage does not count
+        assert any(hits) and (sum(hits) == found if not scheduler.preemptions else sum(hits) <= found), hits
         assert all(h < r.prompt_tokens for h, r in zip(hits, results, strict=True))
         assert scheduler.cache.sequences == {} and scheduler.cache.usage == 0
+        preemptions += scheduler.preemptions
+    assert (preemptions > 0) == (settings is SCARCE)
 
 
 def test_prefix_caching_off_and_other_salts_find_nothing(tiny_target):
@@ -306,20 +318,51 @@ def test_no_more_than_max_batch_run_and_the_rest_wait_in_order(tiny_target):
     assert all(len(r.state.token_ids) == 3 + i for i, r in enumerate(rows))
 
 
-def test_a_request_that_does_not_fit_in_memory_yet_waits_for_room(tiny_target):
-    settings = LoopSettings(max_batch=8, kv_cache_tokens=64)
+def test_memory_is_promised_lazily_and_the_newest_row_is_preempted_when_it_runs_out(tiny_target, tiny_references):
+    settings = LoopSettings(max_batch=8, kv_cache_tokens=64)  # four blocks of 16 tokens
     scheduler = _tiny_scheduler(tiny_target, settings)
-    first, second = scheduler.submit(_request(40)), scheduler.submit(_request(40))
+    requests = [_request(40), _request(40, "Good morning")]
+    first, second = (scheduler.submit(r) for r in requests)
     scheduler.step()
-    assert scheduler.running == [first] and list(scheduler.waiting) == [second]  # 2 × 43 tokens > 64
+    assert scheduler.running == [first, second]  # 2 × ~45 tokens > 64, but neither holds that yet
+    paused = None
     while not first.done:
         scheduler.step()
-        assert len(scheduler.running) <= 1
+        if second in scheduler.waiting and paused is None:
+            paused = list(second.state.token_ids)  # preempted: its tokens so far are kept
+            assert paused and second.resume == [*second.state.prompt_ids, *paused[:-1]] and second.seq == -1
+    assert paused is not None and scheduler.preemptions >= 1
     while not second.done:
         scheduler.step()
-    assert len(second.state.token_ids) == 40
+    assert second.state.token_ids[: len(paused)] == paused  # it went on from where it was
+    for row, request in zip((first, second), requests, strict=True):
+        assert row.state.token_ids == tiny_references(request) and row.error is None
+    assert scheduler.cache.usage == 0
     with pytest.raises(RequestError, match="KV cache"):
         scheduler.submit(_request(100))  # could never fit: refused at once, not queued forever
+
+
+def test_a_preempted_row_whose_drafter_reads_hidden_states_is_told_them_again(tiny_target, monkeypatch):
+    drafter, told, released = lookup(), {}, []
+
+    def observe_target(rows, features) -> None:
+        for row, f in zip(rows, features, strict=True):
+            told[row.key] = told.get(row.key, 0) + len(f)
+
+    def release(key: int) -> None:
+        released.append(key)
+        told.pop(key, None)
+
+    monkeypatch.setattr(drafter, "feature_layers", (1,))  # as EAGLE and Medusa read them
+    monkeypatch.setattr(drafter, "observe_target", observe_target)
+    monkeypatch.setattr(drafter, "release", release)
+    scheduler = Scheduler(tiny_target, LoopSettings(max_batch=8, kv_cache_tokens=64), [drafter], k=2)
+    rows = [scheduler.submit(_request(40, text)) for text in ("Hello there", "Good morning")]
+    while not all(r.done for r in rows):
+        scheduler.step()
+        for row in scheduler.running:  # every verified position's features, exactly once since it (re)joined
+            assert told.get(row.key, 0) == scheduler.cache.length(row.seq), row.key
+    assert scheduler.preemptions >= 1 and released.count(rows[1].key) >= 2  # preempted, then finished
 
 
 def test_a_cancelled_request_leaves_at_the_next_step_and_frees_its_blocks(tiny_target):

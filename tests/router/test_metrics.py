@@ -49,6 +49,7 @@ def _snapshot(backend: str) -> LoopSnapshot:
         kv_cache_usage=0.375,
         prefix_cache_queries=400,
         prefix_cache_hits=300,
+        preemptions=2,
         batch_size=histogram([1, 2, 4], 17.0),  # steps of 1, 2, 3, 4 and 7 sequences
         tokens=histogram([0, 1, 3], 29.0),
     )
@@ -117,6 +118,7 @@ def test_each_answering_backend_has_its_loop_labelled_and_a_silent_one_has_none(
         assert samples[("vllm:prefix_cache_queries_total", label)] == 400
         assert samples[("vllm:prefix_cache_hits_total", label)] == 300
         assert samples[("specroute_prefix_cache_hit_rate", label)] == 0.75
+        assert samples[("vllm:num_preemptions_total", label)] == 2
         buckets = [
             samples[("specroute_batch_size_per_step_bucket", label | {("le", le)})] for le in ("1.0", "2.0", "4.0")
         ]
