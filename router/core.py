@@ -7,6 +7,7 @@ predictor. `router.service` plugs in Ray Serve handles; tests plug in engines or
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import Counter
@@ -295,18 +296,25 @@ class RouterCore:
         while True:
             request = self._resumed(prepared.request, sent)
             try:
-                async for event in self._tracked(backend, request, drafter, prepared.options.batching):
-                    if event.error and event.retry_after_s is not None:
-                        raise Overloaded(event.error, event.retry_after_s)
-                    if event.error:
-                        raise RequestError(event.error)
-                    sent += event.token_ids
-                    if event.result is not None:
-                        event = event.model_copy(update={"result": self._whole(event.result, prepared, sent)})
-                        self._learn(prepared, routed, event.result)
-                        self.metrics.finished(routed.backend, event.result)
-                    yield event
-                return
+                events = self._tracked(backend, request, drafter, prepared.options.batching)
+                async with contextlib.aclosing(events):  # leaving early releases the backend's in-flight count
+                    async for event in events:
+                        if event.error and event.retry_after_s is not None:
+                            overloaded = Overloaded(event.error, event.retry_after_s)
+                            if sent or routed.retried or routed.stage == "forced":
+                                raise overloaded
+                            backend, drafter = self._next_best(routed, backend, overloaded)
+                            break  # the full backend started nothing: the next-best one serves the request
+                        if event.error:
+                            raise RequestError(event.error)
+                        sent += event.token_ids
+                        if event.result is not None:
+                            event = event.model_copy(update={"result": self._whole(event.result, prepared, sent)})
+                            self._learn(prepared, routed, event.result)
+                            self.metrics.finished(routed.backend, event.result)
+                        yield event
+                    else:
+                        return
             except (RequestError, asyncio.CancelledError, GeneratorExit):
                 raise
             except Exception as exc:  # a replica died or an engine failed: retry elsewhere
@@ -321,6 +329,30 @@ class RouterCore:
                 backend, drafter = self._failover(backend, failed_at), None
                 routed.weights = self.weights(backend)
                 await asyncio.sleep(min(0.2 * 2 ** (attempts - 1), 2.0))
+
+    def _next_best(self, routed: Routed, full: str, overloaded: Overloaded) -> tuple[str, str | None]:
+        """Where a request goes when its backend answered 429 before starting it: the candidate
+        with the lowest predicted latency on another backend the policy may use (the quantized one
+        only above the quality floor); else the 429 stands."""
+        policy, quantized = self.effective_policy(), self.profile.quantized
+        usable = {"speculative", "plain"}
+        q = policy.quantization
+        if q.enabled and quantized is not None and q.meets_floor(quantized.agreement):
+            usable.add("quantized")
+        others = [c for c in routed.decision.candidates if c.backend != full and c.backend in usable]
+        best = min(others, key=lambda c: c.latency_ms, default=None)
+        if best is None:
+            raise overloaded
+        routed.reasons.append(
+            f"retried: the {full} backend was full ({overloaded}); the next-best candidate is {best.backend}"
+            + (f" with {best.drafter}" if best.drafter else "")
+            + f" (predicted {best.latency_ms:.0f} ms)"
+        )
+        routed.retried, routed.backend, routed.drafter = True, best.backend, best.drafter
+        routed.k = best.k if best.drafter else None
+        routed.weights = self.weights(best.backend)
+        self.metrics.retried(full)
+        return best.backend, best.drafter
 
     def _failover(self, failed: str, since: float) -> str:
         """Where a failed attempt goes next. Speculative and plain decoding give the same tokens,

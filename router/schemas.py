@@ -195,7 +195,11 @@ class SpecrouteInfo(BaseModel):
     accepted_tokens: int | None = None
     draft_tokens: int | None = None
     mean_accepted_length: float | None = None
-    retried: bool = Field(False, description="a backend failed mid-request and the plain backend finished it")
+    retried: bool = Field(
+        False,
+        description="a backend failed mid-request and another finished it, or answered 429 (full) and the "
+        "next-best backend served the request instead (the reasons say which)",
+    )
     weights: str | None = Field(
         None, description="what the backend's target computes in: the served dtype or the method"
     )

@@ -23,6 +23,7 @@ from policies.config import PolicyConfig
 from policies.serving_dtype import choose_dtype
 from router.app import create_app
 from router.core import Limits, RouterCore
+from router.schemas import ChatCompletionRequest
 from tests.policies.profiles import in_dtype, synthetic_profile
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -744,14 +745,35 @@ def test_a_backend_refusal_is_400_and_not_retried(client, pool):
     assert error["message"] == "the drafter cannot take this prompt"
 
 
-def test_a_full_backend_is_429_with_retry_after_and_not_retried(client, pool):
+def test_a_full_backend_is_retried_once_on_the_next_best_one(client, pool, core):
     pool.full["speculative"] = 3
+    for stream in (False, True):
+        body = ChatCompletionRequest.model_validate(chat_body())
+        routed = core.route(core.prepare(body.generation(body.max_tokens or 256), body.specroute, len(body.messages)))
+        others = [c for c in routed.decision.candidates if c.backend != "speculative"]
+        expected = min(others, key=lambda c: c.latency_ms).backend
+        response = client.post(CHAT, json=chat_body(stream=stream))
+        assert response.status_code == 200, response.text
+        info = sse(response)[-2]["specroute"] if stream else response.json()["specroute"]
+        assert info["retried"] is True and info["backend"] == expected
+        assert any(r.startswith("retried: the speculative backend was full") for r in info["reasons"])
+        assert pool.backends()[-2:] == ["speculative", expected]
+    assert sum(core.load.values()) == 0  # the full backend's attempt holds no in-flight count
+
+
+def test_a_429_stands_when_the_next_best_backend_is_full_too_or_the_backend_was_forced(client, pool):
+    pool.full.update({"speculative": 3, "plain": 3, "quantized": 3})
     for stream in (False, True):
         response = client.post(CHAT, json=chat_body(stream=stream))
         error = assert_openai_error(response, 429)
         assert response.headers["retry-after"] == "3" and "full" in error["message"]
         assert error["type"] == "rate_limit_error"
-    assert pool.backends() == ["speculative", "speculative"]
+    assert len(pool.backends()) == 4  # each request tried two backends, no more
+    pool.full = {"plain": 2}
+    body = chat_body()
+    body["specroute"] = {"backend": "plain"}
+    assert_openai_error(client.post(CHAT, json=body), 429)
+    assert pool.backends()[-1] == "plain" and len(pool.backends()) == 5
 
 
 def test_the_static_baseline_is_asked_for_per_request(client, pool):
