@@ -42,7 +42,6 @@ unverified draft are never registered: the caller registers (`commit`) only what
 
 from __future__ import annotations
 
-import hashlib
 import math
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -53,9 +52,10 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
+from policies.prefix import BLOCK_TOKENS, block_key, chain_keys, root_key
+
 from .errors import ModelLoadError
 
-BLOCK_TOKENS = 16
 ATTENTION_SPLIT = 512  # torch's CPU flash attention reads keys in blocks of this many columns
 FIRST_POOL_BLOCKS = 64  # the pool starts this small and doubles on demand
 UNBOUNDED_TOKENS = 1 << 24  # for caches whose use another, bounded cache already limits
@@ -202,7 +202,7 @@ class PagedCache:
         full = min(len(tokens), state.length) // bs
         for i in range(len(state.chain), full):
             parent = state.chain[-1] if state.chain else state.root
-            key = _block_key(parent, tokens[i * bs : (i + 1) * bs])
+            key = block_key(parent, tokens[i * bs : (i + 1) * bs])
             state.chain.append(key)
             block = state.blocks[i]
             if key not in self._registered and block not in self._key_of:  # else a twin is already cached
@@ -287,23 +287,19 @@ class PagedCache:
 
     # -- prefix cache -----------------------------------------------------------------------
     def _root(self, salt: str | None) -> bytes:
-        """Where a sequence's chain of keys starts: this cache's identity and the request's salt
-        (requests of different salts never share a block)."""
-        return hashlib.blake2b(self._identity + b"\x00" + (salt or "").encode(), digest_size=16).digest()
+        return root_key(self._identity, salt)
 
     def _lookup(self, prefix: Sequence[int], root: bytes) -> list[tuple[bytes, int]]:
-        """The longest chain of registered blocks covering `prefix` — short of its last token,
-        which the sequence must feed to sample after it: (key, block) pairs."""
+        """The longest chain of registered blocks covering `prefix` (short of its last token):
+        (key, block) pairs."""
         if not self.prefix_caching:
             return []
-        bs, found, parent = self.block_tokens, [], root
-        for i in range(max(len(prefix) - 1, 0) // bs):
-            key = _block_key(parent, prefix[i * bs : (i + 1) * bs])
+        found = []
+        for key in chain_keys(prefix, root, self.block_tokens):
             block = self._registered.get(key)
             if block is None:
                 break
             found.append((key, block))
-            parent = key
         return found
 
     def _hold(self, block: int) -> None:
@@ -549,14 +545,6 @@ class PagedCache:
         """The last pass's hidden states at `layers` (a subset of `feature_layers`), concatenated:
         (B, W, len(layers) · H) over the positions just fed."""
         return torch.cat([self.hidden_states[i] for i in layers], dim=-1)
-
-
-def _block_key(parent: bytes, tokens: Sequence[int]) -> bytes:
-    """A block's prefix-cache key: its parent's key and its token ids, hashed (128 bits: a
-    collision would hand a sequence another prompt's keys and values)."""
-    digest = hashlib.blake2b(parent, digest_size=16)
-    digest.update(b"".join(int(t).to_bytes(4, "little") for t in tokens))
-    return digest.digest()
 
 
 def _checked_structures(

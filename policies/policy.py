@@ -47,6 +47,10 @@ class RequestFeatures(BaseModel):
     alphas: dict[str, AlphaInput] = Field(
         default_factory=dict, description="predicted α per drafter kind or name; missing ones fall back to the profile"
     )
+    cached_tokens: dict[str, int] = Field(
+        default_factory=dict,
+        description="prompt tokens each backend is expected to hold in its prefix cache (not prefilled again)",
+    )
 
 
 class LoadSnapshot(BaseModel):
@@ -95,6 +99,7 @@ def decide(features: RequestFeatures, load: LoadSnapshot, profile: Profile, conf
     )
     quantized = _best_quantized(quantized_all, _speculation_gate(b, bottleneck, config), config)
     candidates = [*specs, plain, *quantized_all]
+    _count_cached_prefill(candidates, costs, features, reasons)
     for c in candidates:
         c.meets_slo = _meets_slo(c, config)
 
@@ -116,6 +121,24 @@ def decide(features: RequestFeatures, load: LoadSnapshot, profile: Profile, conf
         candidates=candidates,
         break_even=_break_even(costs, specs, config, b),
     )
+
+
+def _count_cached_prefill(
+    candidates: list[Candidate], costs: ProfileCosts, features: RequestFeatures, reasons: list[str]
+) -> None:
+    """Each candidate's predicted TTFT (and latency) counts only the prompt tokens its backend does
+    not hold cached: prefill scales alike on every backend, so the measured prefill curve's ratio."""
+    prompt, full = features.prompt_tokens, costs.ttft_s(features.prompt_tokens)
+    for backend, cached in sorted(features.cached_tokens.items()):
+        share = costs.ttft_s(max(prompt - cached, 1)) / full if full > 0 else 1.0
+        for c in candidates:
+            if c.backend == backend:
+                saved = c.ttft_ms * (1 - share)
+                c.ttft_ms, c.latency_ms = c.ttft_ms - saved, c.latency_ms - saved
+        reasons.append(
+            f"prefix cache: the {backend} backend holds about {cached} of the prompt's {prompt} tokens: "
+            f"it prefills {share:.0%} of the prompt's time"
+        )
 
 
 def _break_even(costs: ProfileCosts, specs: list[Candidate], config: PolicyConfig, b: int) -> dict[str, int | None]:

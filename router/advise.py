@@ -135,9 +135,11 @@ def request_features(
     predictors: Predictors | None,
     tokenizer: PreTrainedTokenizerBase | None,
     max_tokens: int,
+    ids: list[int] | None = None,
 ) -> RequestFeatures:
     """α per drafter from the predictor when there is a prompt; with only a category, the profile's
-    measured mean for it (`decide` falls back to that) and the category's mean prompt length."""
+    measured mean for it (`decide` falls back to that) and the category's mean prompt length.
+    `ids`: the prompt's token ids where the caller has them (else the prompt is tokenized here)."""
     if category is not None and category not in profile.categories:
         raise ProfileError(f"category {category!r} was not profiled (profiled: {', '.join(profile.categories)})")
     if request is None:
@@ -148,7 +150,7 @@ def request_features(
         )
     if tokenizer is None:
         raise ValueError("a tokenizer is needed to count the prompt's tokens")
-    tokens = len(prompt_ids(tokenizer, request))
+    tokens = len(ids if ids is not None else prompt_ids(tokenizer, request))
     text, turns = request.text_and_turns()
     alphas = {}
     if predictors is not None:

@@ -32,6 +32,7 @@ from policies.serving_dtype import DtypeChoice
 
 from .advise import Predictors, request_features
 from .metrics import ServiceMetrics
+from .prefix_index import PrefixIndex
 from .schemas import SpecrouteInfo, SpecrouteOptions
 
 log = logging.getLogger("specroute.router")
@@ -93,6 +94,7 @@ class Prepared:
     request: GenerationRequest
     prompt_tokens: int
     options: SpecrouteOptions
+    prompt_ids: list[int]
 
 
 @dataclass
@@ -141,9 +143,11 @@ class RouterCore:
         metrics: Metrics | None = None,
         served_drafters: list[str] | None = None,
         dtype_choice: DtypeChoice | None = None,
+        prefix_blocks: int = 0,
     ):
         """`served_drafters`: the drafter kinds the speculative backend loaded (None: any profiled);
-        `dtype_choice`: the dtype the backends run in and why (None: the profile's, as given)."""
+        `dtype_choice`: the dtype the backends run in and why (None: the profile's, as given);
+        `prefix_blocks`: KV blocks one backend's prefix cache may hold (0: the backends cache none)."""
         self.profile, self.policy, self.tokenizer, self.pool = profile, policy, tokenizer, pool
         self.dtype_choice = dtype_choice or DtypeChoice(
             dtype=profile.model.dtype, source="configured", reason=f"{profile.model.dtype}: the profile's dtype"
@@ -153,6 +157,7 @@ class RouterCore:
         self.metrics = metrics or ServiceMetrics(ray_export=False)
         self.predictors = Predictors.from_profile(profile)
         self.load: Counter[str] = Counter()
+        self.prefixes = PrefixIndex(prefix_blocks, BACKENDS)
         self.policy_error: str | None = None
         self.profile_error: str | None = None
 
@@ -216,7 +221,8 @@ class RouterCore:
             raise RequestError(
                 f"max_tokens {request.max_tokens} exceeds this service's limit of {limits.max_tokens}: lower it"
             )
-        tokens = len(prompt_ids(self.tokenizer, request))
+        ids = prompt_ids(self.tokenizer, request)
+        tokens = len(ids)
         if tokens > limits.max_prompt_tokens:
             raise RequestError(
                 f"the prompt has {tokens} tokens, over this service's limit of {limits.max_prompt_tokens}: shorten it"
@@ -227,7 +233,7 @@ class RouterCore:
             raise RequestError(
                 f"unknown category {options.category!r}: use one of {', '.join(self.profile.categories)} or omit it"
             )
-        return Prepared(request, tokens, options)
+        return Prepared(request, tokens, options, ids)
 
     # -- routing --------------------------------------------------------------------------------
     def decide(self, prepared: Prepared, extra_load: int = 0) -> tuple[Decision, RequestFeatures]:
@@ -239,9 +245,13 @@ class RouterCore:
                 self.predictors,
                 self.tokenizer,
                 prepared.request.max_tokens,
+                prepared.prompt_ids,
             )
         except ProfileError as exc:
             raise RequestError(str(exc)) from None
+        salt = prepared.request.cache_salt
+        cached = {b: self.prefixes.cached_tokens(b, prepared.prompt_ids, salt) for b in BACKENDS}
+        features = features.model_copy(update={"cached_tokens": {b: n for b, n in cached.items() if n}})
         in_flight = {b: n for b, n in self.load.items() if n}
         if extra_load:
             in_flight["other"] = extra_load
@@ -295,6 +305,7 @@ class RouterCore:
         attempts, failed_at = 0, None
         while True:
             request = self._resumed(prepared.request, sent)
+            self.prefixes.sent(backend, prepared.prompt_ids, prepared.request.cache_salt)
             try:
                 events = self._tracked(backend, request, drafter, prepared.options.batching)
                 async with contextlib.aclosing(events):  # leaving early releases the backend's in-flight count

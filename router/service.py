@@ -35,6 +35,7 @@ from backends.models import load_tokenizer
 from backends.streaming import StreamEvent
 from policies.config import PolicyConfig, default_policy, load_policy
 from policies.engines import EngineName, default_drafters, gguf_method, quantized_drafters
+from policies.prefix import BLOCK_TOKENS
 from policies.profile import Profile, ProfileError
 from policies.serving_dtype import DEFAULT_DTYPE, DtypeChoice, choose_engine
 from profiler.profiling import default_profile_path
@@ -208,8 +209,10 @@ class Router:
         policy = load_policy(s.policy) if s.policy else default_policy()
         handles = {"speculative": speculative, "plain": plain, "quantized": quantized}
         pool = HandlePool(handles, serve.get_replica_context().app_name)
+        b = s.backend  # the llama.cpp engine keeps no prefix cache yet
+        blocks = b.cache_tokens // BLOCK_TOKENS if b.prefix_caching and b.engine == "torch" else 0
         self.core = RouterCore(
-            profile, policy, tokenizer, pool, s.limits, ServiceMetrics(), s.backend.drafters, s.dtype_choice
+            profile, policy, tokenizer, pool, s.limits, ServiceMetrics(), b.drafters, s.dtype_choice, blocks
         )
         install(app, self.core, profile.model.name, s.api_key or os.environ.get("SPECROUTE_API_KEY") or None)
 

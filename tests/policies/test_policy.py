@@ -237,6 +237,23 @@ def test_an_unprofiled_prompt_scales_its_predicted_alpha_by_the_measured_ratio()
     assert "× 0.90 (int4-weight-only's measured α over the target's)" in (stacked.alpha_source or "")
 
 
+def test_cached_prompt_tokens_shorten_only_their_backends_predicted_ttft():
+    profile = synthetic_profile()
+    long = features("copy").model_copy(update={"prompt_tokens": 240})
+    cold = decide(long, load(1), profile, policy())
+    warm = decide(long.model_copy(update={"cached_tokens": {"plain": 224}}), load(1), profile, policy())
+    by = {(c.backend, c.drafter): c for c in cold.candidates}
+    for c in warm.candidates:
+        before = by[(c.backend, c.drafter)]
+        if c.backend == "plain":  # the prefill curve: 16 of 240 tokens left to prefill
+            assert c.ttft_ms == pytest.approx(before.ttft_ms * 0.1 / (0.1 + 0.4 * 224 / 240), rel=1e-6)
+            assert before.latency_ms - c.latency_ms == pytest.approx(before.ttft_ms - c.ttft_ms)
+        else:
+            assert (c.ttft_ms, c.latency_ms) == (before.ttft_ms, before.latency_ms)
+    reason = "prefix cache: the plain backend holds about 224 of the prompt's 240"
+    assert any(r.startswith(reason) for r in warm.reasons)
+
+
 def test_the_last_reason_reports_the_slo():
     decision = decide(features("copy"), load(1), synthetic_profile(), policy())
     assert decision.reasons[-1].startswith("slo: predicted TTFT") and decision.reasons[-1].endswith("met")

@@ -88,6 +88,28 @@ def test_in_flight_counts_a_request_while_it_runs(tokenizer):
     assert pool.seen_load == [1] and router.load[routed.backend] == 0
 
 
+def test_a_prompt_sent_before_is_expected_cached_on_the_backend_it_went_to(tokenizer):
+    pool = OnePool()
+    router = RouterCore(synthetic_profile(), PolicyConfig(), tokenizer, pool, prefix_blocks=64)
+    pool.core = router
+    system = "You are a careful assistant. Answer briefly and name your sources. " * 4
+    first = router.prepare(GenerationRequest(prompt=system + "What is rye?", max_tokens=8), SpecrouteOptions())
+    routed = router.route(first)
+    assert not routed.features.cached_tokens
+
+    async def run(prepared, routed):
+        return [e async for e in router.run(prepared, routed)]
+
+    asyncio.run(run(first, routed))
+    second = router.prepare(GenerationRequest(prompt=system + "And spelt?", max_tokens=8), SpecrouteOptions())
+    again = router.route(second)
+    cached = again.features.cached_tokens
+    assert set(cached) == {routed.backend} and 0 < cached[routed.backend] < second.prompt_tokens
+    assert any(r.startswith(f"prefix cache: the {routed.backend} backend holds about") for r in again.reasons)
+    salted = second.request.model_copy(update={"cache_salt": "tenant"})
+    assert not router.route(router.prepare(salted, SpecrouteOptions())).features.cached_tokens
+
+
 class SpeculativePool:
     """Every request finishes on the given speculation statistics."""
 

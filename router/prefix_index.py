@@ -1,0 +1,48 @@
+"""What the router expects each backend's prefix cache to hold: the chains of full prompt blocks
+of the requests it sent there (keyed as the backends key them, `policies.prefix`, rooted in the
+request's `cache_salt`), forgotten least recently used first once a backend's KV pool could not
+hold more. An estimate, as llm-d's and Ray Serve's prefix-aware routers keep one: a backend may
+have evicted sooner (its pool also holds answers and running rows) or hold more (the answers it
+registered); the policy reads it to predict time to first token.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from policies.prefix import BLOCK_TOKENS, chain_keys, root_key
+
+SCOPE = b"router"  # one router's estimate: its keys are compared with its own only
+
+
+class PrefixIndex:
+    """Per backend, the prompt blocks it was sent recently (see the module docstring)."""
+
+    def __init__(self, capacity_blocks: int, backends: Sequence[str]):
+        """`capacity_blocks`: what one backend's KV pool holds, in blocks (0: no prefix caching)."""
+        self.capacity = capacity_blocks
+        self.blocks: dict[str, OrderedDict[bytes, None]] = {b: OrderedDict() for b in backends}
+
+    def cached_tokens(self, backend: str, ids: Sequence[int], salt: str | None = None) -> int:
+        """Prompt tokens `backend` is expected to find cached (never the last one: it is always fed)."""
+        held = self.blocks.get(backend)
+        if not held:
+            return 0
+        found = 0
+        for key in chain_keys(ids, root_key(SCOPE, salt)):
+            if key not in held:
+                break
+            found += 1
+        return found * BLOCK_TOKENS
+
+    def sent(self, backend: str, ids: Sequence[int], salt: str | None = None) -> None:
+        """The prompt went to `backend`: its blocks are cached there now, the most recently used."""
+        held = self.blocks.get(backend)
+        if held is None or not self.capacity:
+            return
+        for key in chain_keys(ids, root_key(SCOPE, salt)):
+            held[key] = None
+            held.move_to_end(key)
+        while len(held) > self.capacity:
+            held.popitem(last=False)
