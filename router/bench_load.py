@@ -27,7 +27,16 @@ from tqdm import tqdm
 from backends.errors import UserError
 from profiler.workloads import PromptSetName, load_prompt_set
 
-from .load_models import JOIN_LONG_TOKENS, ROUTER, Cell, JoinProbe, Level, LoadConfig, RequestRecord
+from .load_models import (
+    JOIN_LONG_TOKENS,
+    MULTI_TURN_TURNS,
+    ROUTER,
+    Cell,
+    JoinProbe,
+    Level,
+    LoadConfig,
+    RequestRecord,
+)
 from .load_report import LoadReport, build_report
 
 
@@ -66,6 +75,8 @@ async def _run_schedule(
     client: httpx.AsyncClient, config: LoadConfig, model: str, progress: bool
 ) -> tuple[list[RequestRecord], dict[Cell, float]]:
     prompts = prompt_mix(config.categories)
+    if config.workload == "shared-prefix":
+        prompts = with_shared_document(prompts)
     records: list[RequestRecord] = []
     walls: dict[Cell, float] = {}
     # The project's imports bring torch, and a full collection over its objects pauses this client
@@ -135,6 +146,38 @@ def prompt_mix(categories: list[str] | None, prompt_set: PromptSetName = "projec
     ]
 
 
+SHARED_DOCUMENT_CHARS = 3000  # ~650 tokens of the embedded model: a long system prompt or a shared document
+
+
+def with_shared_document(prompts: list[Prompt]) -> list[Prompt]:
+    """Every prompt after one system message holding the same document (the prompt set's texts,
+    joined): the shared-prefix workload — a long system prompt, few-shot examples or a RAG corpus
+    that every request repeats."""
+    texts = [m["content"] for p in prompts for m in p.messages if isinstance(m.get("content"), str)]
+    document = "\n\n".join(texts)[:SHARED_DOCUMENT_CHARS]
+    system = {"role": "system", "content": f"Answer using this document where it helps.\n\n{document}"}
+    return [Prompt(p.category, p.id, [system, *(m for m in p.messages if m.get("role") != "system")]) for p in prompts]
+
+
+class Conversation:
+    """A multi-turn client's history: each turn is its next prompt's user message after every
+    earlier turn and answer, until `MULTI_TURN_TURNS` turns, when a new conversation starts."""
+
+    def __init__(self) -> None:
+        self.history: list[dict[str, Any]] = []
+        self.turns = 0
+
+    def next(self, prompt: Prompt) -> Prompt:
+        if self.turns == MULTI_TURN_TURNS:
+            self.history, self.turns = [], 0
+        user = [m for m in prompt.messages if m.get("role") != "system"]
+        return Prompt(prompt.category, f"{prompt.id}#turn{self.turns + 1}", [*self.history, *user])
+
+    def answered(self, sent: Prompt, record: RequestRecord) -> None:
+        self.history = [*sent.messages, {"role": "assistant", "content": record.text}]
+        self.turns += 1
+
+
 def _schedule(config: LoadConfig) -> list[Cell]:
     """Levels in order; within a level every mode under every batching, the order rotating from
     level to level, so no cell always runs first (cold caches) or last (a warm, throttled machine)."""
@@ -154,8 +197,15 @@ async def _run_closed_cell(
     start = time.perf_counter()
 
     async def worker() -> None:
+        conversation = Conversation() if config.workload == "multi-turn" else None
         for index in tickets:
-            records.append(await timed_request(client, config, model, prompts[index % len(prompts)], cell, start))
+            prompt = prompts[index % len(prompts)]
+            if conversation is not None:
+                prompt = conversation.next(prompt)
+            record = await timed_request(client, config, model, prompt, cell, start)
+            if conversation is not None:
+                conversation.answered(prompt, record)
+            records.append(record)
             bar.update()
 
     await asyncio.gather(*(worker() for _ in range(cell.level.concurrency or 1)))
@@ -192,6 +242,8 @@ class Trace:
     content_chunks: int = 0
     text: str = ""
     completion_tokens: int | None = None
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
     route: dict[str, Any] | None = None
     error: str | None = None
     first: asyncio.Event | None = None  # set when the first content token arrives
@@ -211,7 +263,11 @@ class Trace:
                 if self.first is not None:
                     self.first.set()
         if payload.get("usage"):
-            self.completion_tokens = int(payload["usage"]["completion_tokens"])
+            usage = payload["usage"]
+            self.completion_tokens = int(usage["completion_tokens"])
+            self.prompt_tokens = int(usage["prompt_tokens"])
+            details = usage.get("prompt_tokens_details") or {}
+            self.cached_tokens = int(details["cached_tokens"]) if "cached_tokens" in details else None
         if payload.get("specroute"):
             self.route = payload["specroute"]
 
@@ -237,6 +293,8 @@ class Trace:
             backend=(self.route or {}).get("backend"),
             route=self.route,
             error=self.error,
+            prompt_tokens=self.prompt_tokens if ok else None,
+            cached_tokens=self.cached_tokens if ok else None,
         )
 
 

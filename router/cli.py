@@ -8,7 +8,7 @@ import json
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, get_args
 
 from pydantic import ValidationError
 
@@ -23,6 +23,7 @@ from policies.engines import (
 )
 from policies.errors import UserError
 from policies.quantization import QUANT_CHOICES, UNCALIBRATED
+from router.load_models import LoadWorkload
 
 if TYPE_CHECKING:
     from backends.generation import GenerationResult
@@ -483,6 +484,13 @@ def _add_bench_load_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--join-probe", action="store_true", help="time a short request joining a busy backend")
     parser.add_argument("--seed", type=int, default=0, help="seeds the open loop's arrival times")
+    parser.add_argument(
+        "--workload",
+        choices=get_args(LoadWorkload),
+        default="independent",
+        help="independent prompts; shared-prefix: one long shared document before each; multi-turn: each client "
+        "continues its conversation (closed loop)",
+    )
     parser.add_argument("--requests", type=int, help="requests per cell (default: max(8, 2 × c) or ~20 s of arrivals)")
     parser.add_argument("--max-tokens", type=int, default=64, help="tokens each request asks for")
     parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0 = greedy)")
@@ -597,6 +605,7 @@ def run_bench_load(args: argparse.Namespace) -> int:
         batching=_str_list(args.batching),
         join_probe=args.join_probe,
         seed=args.seed,
+        workload=args.workload,
         requests_per_level=args.requests,
         max_tokens=args.max_tokens,
         temperature=args.temperature,

@@ -17,6 +17,8 @@ ROUTER: Mode = "auto"
 Batching = Literal["continuous", "static"]
 OPEN_LOOP_SECONDS = 20.0  # an open-loop level sends about this many seconds of arrivals by default
 JOIN_LONG_TOKENS = 192
+LoadWorkload = Literal["independent", "shared-prefix", "multi-turn"]
+MULTI_TURN_TURNS = 4  # a client's conversation restarts after this many turns (prompts stay bounded)
 
 
 class LoadConfig(BaseModel):
@@ -44,11 +46,19 @@ class LoadConfig(BaseModel):
     model: str | None = Field(None, description="model id to request (default: the first of GET /v1/models)")
     join_probe: bool = Field(False, description="also time a short request joining a busy backend, per backend")
     seed: int = Field(0, ge=0, description="seeds the open loop's arrival times")
+    workload: LoadWorkload = Field(
+        "independent",
+        description="'independent': each request one prompt of the set; 'shared-prefix': every request begins with "
+        "the same long document (a system prompt) before its own prompt; 'multi-turn': each closed-loop client "
+        f"holds a conversation — its next turn carries its history and answers — of up to {MULTI_TURN_TURNS} turns",
+    )
 
     _known_categories = field_validator("categories")(check_categories)
 
     @model_validator(mode="after")
     def _consistent(self) -> LoadConfig:
+        if self.workload == "multi-turn" and self.request_rates is not None:
+            raise ValueError("workload multi-turn needs closed-loop clients (concurrency), not request_rates")
         for name in ("concurrency", "request_rates"):
             values = getattr(self, name)
             if values is not None and values != sorted(set(values)):
@@ -105,6 +115,8 @@ class RequestRecord(BaseModel):
     backend: str | None = Field(description="the backend that served it, as the service reported")
     route: dict[str, Any] | None = Field(description="the service's `specroute` object from the final chunk")
     error: str | None = None
+    prompt_tokens: int | None = Field(None, description="as the usage chunk said")
+    cached_tokens: int | None = Field(None, description="prompt tokens the backend found in its prefix cache")
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,9 @@ class CellStats(BaseModel):
     slo_met: int
     goodput_rps: float = Field(description="requests meeting both SLOs per wall second")
     served_by: dict[str, float] = Field(description="share of successful requests per backend")
+    cached_share: float | None = Field(
+        None, description="prompt tokens found in the backends' prefix caches over all prompt tokens (None: unknown)"
+    )
 
 
 class LevelSummary(BaseModel):
@@ -149,7 +152,14 @@ def cell_stats(config: LoadConfig, cell: Cell, records: list[RequestRecord], wal
         slo_met=met,
         goodput_rps=met / wall_s,
         served_by={name: n / len(ok) for name, n in backends.most_common()},
+        cached_share=_cached_share(ok),
     )
+
+
+def _cached_share(records: list[RequestRecord]) -> float | None:
+    counted = [r for r in records if r.prompt_tokens and r.cached_tokens is not None]
+    prompt = sum(r.prompt_tokens or 0 for r in counted)
+    return sum(r.cached_tokens or 0 for r in counted) / prompt if prompt else None
 
 
 def _ratio(numerator: float, denominator: float) -> float | None:
@@ -223,7 +233,7 @@ def _served(cell: CellStats) -> str:
 
 HEADER = (
     f"  {'mode':<12} {'batching':<10} {'served by':<28} {'TTFT p50/p99':>15} {'TPOT p50/p99':>15} "
-    f"{'e2e p50/p99':>17} {'tok/s':>8} {'goodput/s':>10} {'errors':>8}"
+    f"{'e2e p50/p99':>17} {'tok/s':>8} {'goodput/s':>10} {'errors':>8} {'cached':>7}"
 )
 
 
@@ -231,8 +241,12 @@ def _row(cell: CellStats) -> str:
     return (
         f"  {cell.mode:<12} {cell.batching:<10} {_served(cell):<28} {_ms(cell.ttft_ms):>15} "
         f"{_ms(cell.tpot_ms, 1):>15} {_ms(cell.e2e_ms):>17} {cell.output_tokens_per_s:8.1f} "
-        f"{cell.goodput_rps:10.2f} {f'{cell.errors}/{cell.requests}':>8}"
+        f"{cell.goodput_rps:10.2f} {f'{cell.errors}/{cell.requests}':>8} {_share(cell.cached_share):>7}"
     )
+
+
+def _share(share: float | None) -> str:
+    return "—" if share is None else f"{share:.0%}"
 
 
 def _times(ratio: float | None) -> str:
@@ -313,7 +327,7 @@ def render_load(report: LoadReport) -> str:
     loop = "open loop (Poisson arrivals)" if cfg.open_loop else "closed loop"
     lines = [
         f"specroute bench load — {report.model} at {cfg.url}, started {report.started}",
-        f"{loop}, {cfg.max_tokens} max tokens, SLO: TTFT ≤ {cfg.slo_ttft_ms:g} ms and "
+        f"{loop}, workload {cfg.workload}, {cfg.max_tokens} max tokens, SLO: TTFT ≤ {cfg.slo_ttft_ms:g} ms and "
         f"TPOT ≤ {cfg.slo_tpot_ms:g} ms; latencies in ms",
     ]
     for level in cfg.levels():

@@ -32,6 +32,7 @@ class FakeService:
         self.auth: set[str | None] = set()
         self.health = health or {"status": "ok"}
         self.cut, self.fail = {"qa"}, {"math"}
+        self.bodies: list[dict] = []
 
     async def handler(self, request: httpx.Request) -> httpx.Response:
         self.auth.add(request.headers.get("authorization"))
@@ -41,6 +42,7 @@ class FakeService:
             return httpx.Response(200, json={"object": "list", "data": [{"id": MODEL, "object": "model"}]})
         assert request.url.path == "/v1/chat/completions"
         body = json.loads(request.content)
+        self.bodies.append(body)
         assert body["model"] == MODEL and body["stream"] and body["stream_options"] == {"include_usage": True}
         self.in_flight += 1
         self.arrivals.append((body["specroute"]["backend"], self.in_flight))
@@ -63,7 +65,12 @@ class FakeService:
                 self.in_flight -= 1
                 return  # cut: no usage, no [DONE]
         route = {"backend": backend, "drafter": None, "k": None, "stage": "test", "reasons": [], "retried": False}
-        usage = {"prompt_tokens": 10, "completion_tokens": TOKENS, "total_tokens": 10 + TOKENS}
+        usage = {
+            "prompt_tokens": 10,
+            "completion_tokens": TOKENS,
+            "total_tokens": 10 + TOKENS,
+            "prompt_tokens_details": {"cached_tokens": 4},
+        }
         self.in_flight -= 1  # before [DONE]: the client may start its next request as soon as it reads it
         yield event({"object": "chat.completion.chunk", "choices": [], "usage": usage, "specroute": route})
         yield b"data: [DONE]\n\n"
@@ -176,7 +183,8 @@ def test_render_has_a_row_per_mode_and_the_router_comparison(report):
         [row] = [r for r in sections[f"c={cell.level.concurrency}"] if r.split()[:2] == [cell.mode, cell.batching]]
         assert f" {cell.ttft_ms.p50:.0f} / {cell.ttft_ms.p99:.0f} " in row
         assert f" {cell.tpot_ms.p50:.1f} / {cell.tpot_ms.p99:.1f} " in row
-        assert row.split()[-3:] == [f"{cell.output_tokens_per_s:.1f}", f"{cell.goodput_rps:.2f}", "2/8"]
+        tail = [f"{cell.output_tokens_per_s:.1f}", f"{cell.goodput_rps:.2f}", "2/8", "40%"]
+        assert row.split()[-4:] == tail  # the cached share: 4 of 10 prompt tokens, as the usage chunks said
         if cell.mode == "auto":  # 5 of the 6 answered requests went to plain
             assert "plain 83%" in row and "speculative 17%" in row
         else:
@@ -349,3 +357,31 @@ def test_the_join_probe_times_a_short_request_arriving_while_a_long_one_decodes(
     assert probe.ttft_ratio == pytest.approx(probe.joined_ttft_ms / probe.idle_ttft_ms)
     assert max(n for _, n in fake.arrivals[-4:]) == 2  # the short one arrived while the long one ran
     assert "join probe:" in render_load(report) and "same text" in render_load(report)
+
+
+def test_a_shared_prefix_workload_puts_one_document_before_every_prompt_and_reports_the_cached_share():
+    fake = FakeService()
+    config = LoadConfig(concurrency=[2], modes=["plain"], categories=["chat", "code"], workload="shared-prefix")
+    report = load(config, fake.handler)
+    systems = {json.dumps(b["messages"][0]) for b in fake.bodies}
+    assert len(systems) == 1 and json.loads(systems.pop())["role"] == "system"
+    assert all(b["messages"][1:] and b["messages"][-1]["role"] == "user" for b in fake.bodies)
+    assert [c.cached_share for c in report.cells] == [0.4]  # 4 of 10 prompt tokens, as the usage said
+    assert "workload shared-prefix" in render_load(report) and " 40%" in render_load(report)
+
+
+def test_a_multi_turn_client_carries_its_history_and_starts_over_after_the_last_turn():
+    fake = FakeService()
+    config = LoadConfig(
+        concurrency=[1], modes=["plain"], categories=["chat", "code"], workload="multi-turn", requests_per_level=6
+    )
+    load(config, fake.handler)
+    roles = [[m["role"] for m in b["messages"] if m["role"] != "system"] for b in fake.bodies]
+    turn = ["user", "assistant"]
+    assert roles == [
+        ["user"], [*turn, "user"], [*turn, *turn, "user"], [*turn, *turn, *turn, "user"], ["user"], [*turn, "user"]
+    ]  # fmt: skip
+    second = fake.bodies[1]["messages"]
+    assert second[:-1] == [*fake.bodies[0]["messages"], {"role": "assistant", "content": "t0 t1 t2 t3 "}]
+    with pytest.raises(ValidationError, match="multi-turn needs closed-loop clients"):
+        LoadConfig(request_rates=[1.0], workload="multi-turn")
