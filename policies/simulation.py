@@ -46,6 +46,8 @@ from typing import Protocol
 
 import numpy as np
 
+from .prefix import BLOCK_TOKENS
+
 # A fluid row counts as done when its expected tokens are within this of its output: float sums of
 # fractional tokens (0.1 ten times) must not cost a whole extra step.
 _TOKEN_EPS = 1e-9
@@ -62,6 +64,15 @@ class SimRequest:
     arrival_s: float | None = None  # open loop: when it arrives; closed loop: ignored
     alpha: float | None = None  # per-request acceptance, for speculative backend models
     proposal_rate: float | None = None
+    shared_prefix: int = 0  # leading prompt tokens every request repeats: cached once a replica prefilled them
+
+    def to_prefill(self, warm: bool) -> int:
+        """Prompt tokens a replica feeds for it: on a `warm` replica its shared prefix's full KV
+        blocks are cached (never the prompt's last token, which is always fed)."""
+        if not warm:
+            return self.prompt_tokens
+        cached = min(self.shared_prefix, self.prompt_tokens - 1) // BLOCK_TOKENS * BLOCK_TOKENS
+        return self.prompt_tokens - cached
 
     def __post_init__(self) -> None:
         if self.prompt_tokens < 1 or self.output_tokens < 1:
@@ -237,6 +248,7 @@ class _Replica:
         self.gains: tuple[float, ...] = ()
         self.row_steps: list[int] = []
         self.completed: list[int] = []  # rows whose last prompt chunk went in this step
+        self.warm = False  # a shared prefix's blocks are in its prefix cache (a prompt finished prefill here)
         self.cache_key: tuple[int, ...] | None = None
         self.cache_value: tuple[float, tuple[float, ...]] = (0.0, ())
 
@@ -354,7 +366,7 @@ class _Simulation:
         t, lim, requests = self.clock, rep.limits, self.requests
         while rep.waiting and rep.rows() < lim.max_batch:
             i = rep.waiting.popleft()
-            rep.prefilling.append([i, requests[i].prompt_tokens])
+            rep.prefilling.append([i, requests[i].to_prefill(rep.warm)])
             self.admitted[i] = t
         if not rep.rows():
             return
@@ -368,6 +380,7 @@ class _Simulation:
                 if entry[1] == 0:
                     rep.completed.append(entry[0])
             rep.prefilling = [entry for entry in rep.prefilling if entry[1] > 0]
+            rep.warm = rep.warm or bool(rep.completed)
             prefill_s = _checked_seconds(rep.model.prefill_seconds(sum(takes), decoding_before), "prefill_seconds")
             if lim.mirror_scheduler:  # a prompt just finished samples its first token and decodes in this step
                 for i in rep.completed:

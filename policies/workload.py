@@ -145,6 +145,14 @@ class Workload(_Section):
         None, description="a JSONL file of real prompts (one OpenAI chat request per line), instead of mix"
     )
     input_tokens: Lengths | None = Field(None, description="prompt lengths (default: the profiled prompts' lengths)")
+    shared_prefix: int = Field(
+        0,
+        ge=0,
+        le=1 << 20,
+        description="tokens every request's prompt begins with (a system prompt, few-shot examples, a shared "
+        "document), added to each drawn prompt (with `prompts`, the first this many tokens of each): a replica's "
+        "prefix cache serves them once it has prefilled one",
+    )
     output_tokens: Lengths = Field(
         default_factory=lambda: Lengths(mean=128, max=512), description="answer lengths in tokens"
     )

@@ -208,7 +208,11 @@ def draw_traffic(workload: Workload, profile: Profile, n: int, seed: int, prompt
     outputs = workload.output_tokens.sample(rng, n)
     if prompts:
         chosen = [prompts[i % len(prompts)] for i in range(n)]
-        requests = [SimRequest(i, p.tokens, int(o)) for i, (p, o) in enumerate(zip(chosen, outputs, strict=True))]
+        shared = workload.shared_prefix
+        requests = [
+            SimRequest(i, p.tokens, int(o), shared_prefix=shared)
+            for i, (p, o) in enumerate(zip(chosen, outputs, strict=True))
+        ]
         # One features object per prompt (the router's decisions are remembered per prompt and load).
         each = {
             id(p): RequestFeatures(prompt_tokens=p.tokens, max_tokens=workload.output_tokens.max, alphas=p.alphas)
@@ -222,8 +226,9 @@ def draw_traffic(workload: Workload, profile: Profile, n: int, seed: int, prompt
     shares = np.array([workload.mix[c] for c in names])
     categories = rng.choice(names, size=n, p=shares / shares.sum())
     inputs = _input_lengths(workload, profile, categories, rng)
+    shared = workload.shared_prefix  # before each drawn prompt
     requests = [
-        SimRequest(i, int(p), int(o), str(c))
+        SimRequest(i, int(p) + shared, int(o), str(c), shared_prefix=shared)
         for i, (c, p, o) in enumerate(zip(categories, inputs, outputs, strict=True))
     ]
     return Traffic(requests, {}, {}, dict(workload.mix), None, *_load_of(workload))

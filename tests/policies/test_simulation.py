@@ -144,6 +144,19 @@ def test_closed_loop_at_concurrency_one_is_back_to_back_service():
     assert len(records) / records[-1].finished_s == pytest.approx(1 / np.mean(service), rel=1e-12)
 
 
+def test_a_shared_prefix_is_prefilled_once_per_replica():
+    model = Linear(prefill_fixed=0.02, prefill_per_token=1e-4, decode_fixed=0.01)
+    requests = [SimRequest(id=i, prompt_tokens=200, output_tokens=3, shared_prefix=150) for i in range(4)]
+    records = simulate_closed(requests, 1, one(model), ROUTE_ONE)
+    first, *rest = (rec.ttft_s for rec in records)
+    assert first == pytest.approx(0.02 + 200 * 1e-4)
+    # later ones feed 200 - 144 tokens: 9 full blocks of the 150 shared ones are cached
+    assert rest == pytest.approx([0.02 + 56 * 1e-4] * 3)
+    assert (
+        SimRequest(id=0, prompt_tokens=32, output_tokens=1, shared_prefix=40).to_prefill(True) == 16
+    )  # never the last block
+
+
 HAND = [
     SimRequest(id=0, prompt_tokens=10, output_tokens=2),
     SimRequest(id=1, prompt_tokens=10, output_tokens=4),

@@ -346,3 +346,15 @@ def test_cells_the_profile_cannot_replay_are_named_and_another_models_results_re
     other = loads[0].model_copy(update={"model": "another-model"})
     with pytest.raises(ReportError, match="measured another-model, the profile SmolLM2-135M-Instruct"):
         validate(profile, default_policy(), [other])
+
+
+def test_a_shared_prefix_goes_before_every_drawn_prompt_and_into_the_simulation(profile):
+    from policies.workload import Workload
+    from router.report.simulate import draw_traffic
+
+    fields = {"mix": {profile.categories[0]: 1.0}, "load": {"concurrency": [1, 4]}}
+    plain = draw_traffic(Workload.model_validate(fields), profile, 6, seed=3)
+    shared = draw_traffic(Workload.model_validate({**fields, "shared_prefix": 300}), profile, 6, seed=3)
+    for before, after in zip(plain.requests, shared.requests, strict=True):
+        assert (after.prompt_tokens, after.shared_prefix) == (before.prompt_tokens + 300, 300)
+        assert after.to_prefill(warm=True) < after.prompt_tokens == after.to_prefill(warm=False)
