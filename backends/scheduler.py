@@ -435,8 +435,8 @@ class Scheduler:
         self.running = [r for r in self.running if not r.done]
         kept = deque()
         for row in self.waiting:
-            if row.cancelled:
-                row.done = True
+            if row.cancelled:  # a preempted row's drafter may still hold its state
+                self._retire(row)
             else:
                 kept.append(row)
         self.waiting = kept

@@ -365,6 +365,21 @@ def test_a_preempted_row_whose_drafter_reads_hidden_states_is_told_them_again(ti
     assert scheduler.preemptions >= 1 and released.count(rows[1].key) >= 2  # preempted, then finished
 
 
+def test_a_preempted_request_cancelled_while_it_waits_leaves_nothing_behind(tiny_target):
+    drafter = lookup()
+    scheduler = Scheduler(tiny_target, LoopSettings(max_batch=8, kv_cache_tokens=64), [drafter], k=2)
+    first, second = (scheduler.submit(_request(40, text)) for text in ("Hello there", "Good morning"))
+    while second.resume is None:  # until it is preempted, having produced tokens
+        scheduler.step()
+    assert second.seq == -1 and second.key in drafter.indexes  # it drafted before it was preempted
+    scheduler.cancel(second)
+    scheduler.step()
+    assert second.done and second.key not in drafter.indexes and second not in scheduler.waiting
+    while not first.done:
+        scheduler.step()
+    assert scheduler.cache.usage == 0
+
+
 def test_a_cancelled_request_leaves_at_the_next_step_and_frees_its_blocks(tiny_target):
     scheduler = _tiny_scheduler(tiny_target, LoopSettings())
     stay, leave = scheduler.submit(_request(30)), scheduler.submit(_request(30))
