@@ -451,6 +451,11 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--profile", help="profile JSON (default: SPECROUTE_HOME/profiles/…; measured if missing)")
     parser.add_argument("--policy", help="policy YAML (default: the built-in policy, as in deploy/policy.yaml)")
     parser.add_argument("--max-batch", type=int, default=32, help="most requests one backend batch takes")
+    parser.add_argument(
+        "--no-prefix-caching",
+        action="store_true",
+        help="prefill every prompt in full (default: prompts start from KV blocks earlier requests computed)",
+    )
     _add_drafters_flag(parser, None, "drafters the speculative backend loads")
     _add_quantized_drafters_flag(parser)
     parser.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (default: $SPECROUTE_API_KEY)")
@@ -575,6 +580,7 @@ def run_serve(args: argparse.Namespace) -> int:
         device=args.device,
         threads=args.threads or 1,  # three replicas share the cores: one torch thread each unless told
         max_batch=args.max_batch,
+        prefix_caching=not args.no_prefix_caching,
         quantization=args.quantization,
         engine=args.engine,
         gguf_weights=args.gguf_weights,

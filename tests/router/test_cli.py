@@ -167,3 +167,15 @@ def test_drafter_choices_and_defaults_are_the_registrys(capsys):
         parser.parse_args(["generate", "x", "--speculative", "jacobi"])
     err = capsys.readouterr().err
     assert "invalid choice: 'jacobi'" in err and all(f"'{kind}'" in err for kind in KINDS)
+
+
+def test_serve_turns_prefix_caching_off_on_request(monkeypatch):
+    from router import serve_cmd
+
+    served = []
+    monkeypatch.setattr(serve_cmd, "serve_forever", lambda settings, *rest: served.append(settings) or 0)
+    parser = build_parser()
+    for flags, expected in (([], True), (["--no-prefix-caching"], False)):
+        args = parser.parse_args(["serve", *flags])
+        assert args.handler(args) == 0
+        assert served[-1].backend.prefix_caching is expected
