@@ -140,7 +140,8 @@ class LoopSettings(BaseModel):
     prefix_caching: bool = Field(
         True,
         description="reuse the KV blocks of prompt prefixes earlier requests computed (a system prompt, a "
-        "conversation's history, shared documents): only the rest is prefilled; output is unchanged",
+        "conversation's history, shared documents): only the rest is prefilled; output is unchanged. Float32 "
+        "targets on the torch engine only: bfloat16 and int-quantized passes round keys differently by chunk",
     )
     tile_width: int = Field(
         DEFAULT_TILE_WIDTH,

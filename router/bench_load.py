@@ -265,7 +265,7 @@ class Trace:
         if payload.get("usage"):
             usage = payload["usage"]
             self.completion_tokens = int(usage["completion_tokens"])
-            self.prompt_tokens = int(usage["prompt_tokens"])
+            self.prompt_tokens = int(usage["prompt_tokens"]) if "prompt_tokens" in usage else None
             details = usage.get("prompt_tokens_details") or {}
             self.cached_tokens = int(details["cached_tokens"]) if "cached_tokens" in details else None
         if payload.get("specroute"):

@@ -144,10 +144,12 @@ class RouterCore:
         served_drafters: list[str] | None = None,
         dtype_choice: DtypeChoice | None = None,
         prefix_blocks: int = 0,
+        prefix_backends: tuple[str, ...] = ("speculative", "plain"),
     ):
         """`served_drafters`: the drafter kinds the speculative backend loaded (None: any profiled);
         `dtype_choice`: the dtype the backends run in and why (None: the profile's, as given);
-        `prefix_blocks`: KV blocks one backend's prefix cache may hold (0: the backends cache none)."""
+        `prefix_blocks`: KV blocks one backend's prefix cache may hold (0: the backends cache none), for
+        `prefix_backends` (the quantized target's int kernels keep no prefix cache)."""
         self.profile, self.policy, self.tokenizer, self.pool = profile, policy, tokenizer, pool
         self.dtype_choice = dtype_choice or DtypeChoice(
             dtype=profile.model.dtype, source="configured", reason=f"{profile.model.dtype}: the profile's dtype"
@@ -157,7 +159,7 @@ class RouterCore:
         self.metrics = metrics or ServiceMetrics(ray_export=False)
         self.predictors = Predictors.from_profile(profile)
         self.load: Counter[str] = Counter()
-        self.prefixes = PrefixIndex(prefix_blocks, BACKENDS)
+        self.prefixes = PrefixIndex(prefix_blocks, prefix_backends)
         self.policy_error: str | None = None
         self.profile_error: str | None = None
 

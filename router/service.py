@@ -209,8 +209,9 @@ class Router:
         policy = load_policy(s.policy) if s.policy else default_policy()
         handles = {"speculative": speculative, "plain": plain, "quantized": quantized}
         pool = HandlePool(handles, serve.get_replica_context().app_name)
-        b = s.backend  # the llama.cpp engine keeps no prefix cache yet
-        blocks = b.cache_tokens // BLOCK_TOKENS if b.prefix_caching and b.engine == "torch" else 0
+        b = s.backend  # float32 torch targets keep prefix caches (backends.engines.caches_exactly); llama.cpp none yet
+        caching = b.prefix_caching and b.engine == "torch" and s.dtype_choice.dtype == "float32"
+        blocks = b.cache_tokens // BLOCK_TOKENS if caching else 0
         self.core = RouterCore(
             profile, policy, tokenizer, pool, s.limits, ServiceMetrics(), b.drafters, s.dtype_choice, blocks
         )

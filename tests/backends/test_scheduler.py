@@ -256,6 +256,12 @@ def test_prefix_caching_off_and_other_salts_find_nothing(tiny_target):
     assert off.cache.prefix_stats.queries == 0
 
 
+def test_only_float32_targets_keep_a_prefix_cache(tiny_target, tiny_target_bf16):
+    # bfloat16 (and torch's int kernels) round a token's keys differently by prefill chunk: a hit could change tokens
+    assert Scheduler(tiny_target, LoopSettings()).cache.prefix_caching
+    assert not Scheduler(tiny_target_bf16, LoopSettings()).cache.prefix_caching
+
+
 def test_a_drafter_reading_the_targets_hidden_states_prefills_its_rows_in_full(tiny_target, monkeypatch):
     drafter = lookup()
     monkeypatch.setattr(drafter, "feature_layers", (1,))  # as EAGLE and Medusa read them

@@ -287,10 +287,13 @@ def test_advise_runs_on_a_real_profile(capsys, profile_path):
     prompt = "Translate to French: " + load_prompt_set().categories["translation"].prompts[0].messages[-1].content
     code = main(["advise", prompt, "--concurrency", "2", "--profile", str(profile_path), "--json"])
     advice = json.loads(capsys.readouterr().out)
-    # int4 weight-only measures above the 0.95 floor and faster than float32, so it may serve.
+    # int4 weight-only measures above the 0.95 floor and faster than float32, so it may serve: faster, or because
+    # float32 misses the TPOT SLO on this run's measurement (a loaded machine), the reason says which.
     assert code == 0 and advice["backend"] in {"speculative", "plain", "quantized"}
     if advice["backend"] == "quantized":
-        assert any("≥ floor 95.0%" in r for r in advice["reasons"] if r.startswith("quantization"))
+        [reason] = [r for r in advice["reasons"] if r.startswith("quantization")]
+        assert "int4-weight-only at" in reason and reason.endswith("→ quantized backend"), reason
+        assert "≥ floor 95.0%" in reason or "misses the TPOT SLO" in reason, reason
     quantized = next(b for b in advice["backends"] if b["backend"] == "quantized")
     assert quantized["weights"] == "int4-weight-only" and quantized["agreement"] > 0.95
     spec = next(c for c in advice["candidates"] if c["backend"] == "speculative")
