@@ -308,7 +308,8 @@ def test_an_open_loop_sends_at_poisson_times_without_waiting_for_answers():
     gaps = [b - a for a, b in zip(starts, starts[1:], strict=False)]
     assert 0.3 / 40 < sum(gaps) / len(gaps) < 3 / 40  # about the rate asked for
     again = load(config, FakeService().handler)
-    assert [round(r.start_s, 1) for r in again.records][:3] == [round(r.start_s, 1) for r in report.records][:3]
+    # the same seed, the same arrival times (up to when the event loop got to send each one)
+    assert all(abs(a.start_s - b.start_s) < 0.05 for a, b in zip(again.records, report.records, strict=True))
     text = render_load(report)
     assert "open loop (Poisson arrivals)" in text and "rate=40/s (20 requests per mode)" in text
     assert LoadConfig(request_rates=[2.0]).requests_at(Level(request_rate=2.0)) == 40
