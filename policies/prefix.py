@@ -6,7 +6,7 @@ before it too (vLLM's automatic prefix caching keys blocks the same way)."""
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 BLOCK_TOKENS = 16  # the step loop's KV block: the unit of its memory and of prefix caching
 
@@ -25,11 +25,11 @@ def root_key(scope: bytes, salt: str | None) -> bytes:
     return hashlib.blake2b(scope + b"\x00" + (salt or "").encode(), digest_size=16).digest()
 
 
-def chain_keys(ids: Sequence[int], root: bytes, block_tokens: int = BLOCK_TOKENS) -> list[bytes]:
-    """The keys of a prompt's full blocks that a cache may serve: never the block holding its last
-    token, which the sequence must feed to sample after it."""
-    keys, parent = [], root
+def chain_keys(ids: Sequence[int], root: bytes, block_tokens: int = BLOCK_TOKENS) -> Iterator[bytes]:
+    """The keys of a prompt's full blocks that a cache may serve, in order (a lookup stops hashing
+    at its first miss): never the block holding its last token, which the sequence must feed to
+    sample after it."""
+    parent = root
     for i in range(max(len(ids) - 1, 0) // block_tokens):
         parent = block_key(parent, ids[i * block_tokens : (i + 1) * block_tokens])
-        keys.append(parent)
-    return keys
+        yield parent

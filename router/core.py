@@ -251,9 +251,8 @@ class RouterCore:
             )
         except ProfileError as exc:
             raise RequestError(str(exc)) from None
-        salt = prepared.request.cache_salt
-        cached = {b: self.prefixes.cached_tokens(b, prepared.prompt_ids, salt) for b in BACKENDS}
-        features = features.model_copy(update={"cached_tokens": {b: n for b, n in cached.items() if n}})
+        cached = self.prefixes.cached(prepared.prompt_ids, prepared.request.cache_salt)
+        features = features.model_copy(update={"cached_tokens": cached})
         in_flight = {b: n for b, n in self.load.items() if n}
         if extra_load:
             in_flight["other"] = extra_load

@@ -26,15 +26,20 @@ class PrefixIndex:
 
     def cached_tokens(self, backend: str, ids: Sequence[int], salt: str | None = None) -> int:
         """Prompt tokens `backend` is expected to find cached (never the last one: it is always fed)."""
-        held = self.blocks.get(backend)
-        if not held:
-            return 0
-        found = 0
-        for key in chain_keys(ids, root_key(SCOPE, salt)):
-            if key not in held:
-                break
-            found += 1
-        return found * BLOCK_TOKENS
+        return self.cached(ids, salt).get(backend, 0)
+
+    def cached(self, ids: Sequence[int], salt: str | None = None) -> dict[str, int]:
+        """Per backend expected to hold some of the prompt, the tokens it holds; the prompt's block
+        keys are computed once for every backend."""
+        if not any(self.blocks.values()):
+            return {}
+        keys = list(chain_keys(ids, root_key(SCOPE, salt)))
+        out = {}
+        for backend, held in self.blocks.items():
+            found = next((i for i, key in enumerate(keys) if key not in held), len(keys))
+            if found:
+                out[backend] = found * BLOCK_TOKENS
+        return out
 
     def sent(self, backend: str, ids: Sequence[int], salt: str | None = None) -> None:
         """The prompt went to `backend`: its blocks are cached there now, the most recently used."""
