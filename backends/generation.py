@@ -52,6 +52,12 @@ class GenerationRequest(BaseModel):
         max_length=256,
         description="prefix-cache isolation: cached prompt blocks are shared only among requests of the same salt",
     )
+    prompt_ids: list[int] | None = Field(
+        None,
+        min_length=1,
+        description="the prompt as the router tokenized it (chat template applied): a backend feeds these instead "
+        "of tokenizing again, and the replica router reads its prefix from them",
+    )
 
     @field_validator("stop", mode="before")
     @classmethod

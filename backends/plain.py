@@ -27,14 +27,17 @@ class PlainEngine:
     def __init__(self, loaded: LoadedModel):
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
+        self.vocab = len(loaded.tokenizer)  # what a request's own prompt_ids are checked against
         self.info = loaded.info
         self.device = next(self.model.parameters()).device
         self.eos_ids = eos_token_ids(loaded)
         self.context_length = getattr(self.model.config, "max_position_embeddings", None)
 
     def encode(self, request: GenerationRequest) -> list[int]:
-        """Prompt token ids, checked against the context length."""
+        """Prompt token ids, checked against the vocabulary and the context length."""
         ids = prompt_ids(self.tokenizer, request)
+        if request.prompt_ids is not None and not all(0 <= t < self.vocab for t in request.prompt_ids):
+            raise RequestError(f"prompt_ids must be token ids of this model's vocabulary (0…{self.vocab - 1})")
         self._check_context(len(ids), request.max_tokens)
         return ids
 
@@ -146,7 +149,10 @@ def drop_finished_rows(
 
 def prompt_ids(tokenizer: PreTrainedTokenizerBase, request: GenerationRequest) -> list[int]:
     """A request's prompt tokens (chat messages go through the tokenizer's chat template), followed
-    by any tokens an interrupted attempt already generated."""
+    by any tokens an interrupted attempt already generated; the ids the router already computed, if
+    it sent them."""
+    if request.prompt_ids is not None:
+        return request.prompt_ids + request.resume_ids
     if request.messages is not None:
         text = tokenizer.apply_chat_template(
             [m.model_dump() for m in request.messages], add_generation_prompt=True, tokenize=False

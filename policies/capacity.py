@@ -21,6 +21,7 @@ from .cost_model import RowOutlook, effective_seconds, plan_step, tokens_per_ste
 from .estimates import ProfileCosts, decode_context, prefill_scale
 from .policy import Decision, LoadSnapshot, RequestFeatures, decide
 from .profile import CostCurve, Profile
+from .replicas import DEFAULT_ROUTING, ReplicaRouting, rank_replicas
 from .simulation import BackendModel, Router, SimRecord, SimRequest
 
 REPLICA_SEPARATOR = "#"  # backend key of replica i: "plain#0", "plain#1", …
@@ -157,11 +158,12 @@ def backend_of(key: str) -> str:
 
 @dataclass
 class PolicyRouter:
-    """Routes as the service does: `mode` "auto" asks `decide` with the live in-flight count over
-    every backend (the router's view: one machine's load), a forced mode takes that backend (and,
-    forced speculative, the drafter the policy rates best). Within a backend the least-loaded
-    replica gets the request (Ray Serve's power-of-two choice tends to it). Each speculative
-    request's drafter, α and ρ are recorded for the speculative model to read."""
+    """Routes as the service does: `mode` "auto" asks `decide` with the live in-flight count of
+    every backend per replica (the load one machine, a replica of each backend, sees), a forced
+    mode takes that backend (and, forced speculative, the drafter the policy rates best). Within a
+    backend `rank_replicas` picks the replica, as the service's request router does: one that
+    already holds the workload's shared prefix unless it is too much busier than the least loaded.
+    Each speculative request's drafter, α and ρ are recorded for the speculative model to read."""
 
     profile: Profile
     policy: PolicyConfig
@@ -170,6 +172,8 @@ class PolicyRouter:
     acceptance_of: Mapping[int, Mapping[str, Acceptance]] = field(default_factory=dict)
     features_of: Mapping[int, RequestFeatures] = field(default_factory=dict)  # per-prompt predictions, if any
     chosen: dict[int, Acceptance] = field(default_factory=dict)
+    routing: ReplicaRouting = DEFAULT_ROUTING
+    _prefilled: set[str] = field(default_factory=set, repr=False)  # replicas sent a shared prefix: it is cached there
     _decisions: dict[tuple, Decision] = field(default_factory=dict, repr=False)
 
     def __call__(self, request: SimRequest, in_flight: Mapping[str, int]) -> str:
@@ -180,7 +184,11 @@ class PolicyRouter:
             stacked = decision.chosen()
             self.chosen[request.id] = Acceptance(drafter, stacked.alpha or 0.0, stacked.proposal_rate)
         keys = [replica_key(backend, i) for i in range(self.replicas)]
-        return min(keys, key=lambda k: in_flight.get(k, 0))
+        cached = {k: request.shared_prefix for k in keys if k in self._prefilled}
+        chosen = rank_replicas(keys, in_flight, cached, self.routing)[0]
+        if request.shared_prefix:
+            self._prefilled.add(chosen)
+        return chosen
 
     def _decide(self, request: SimRequest, in_flight: Mapping[str, int]) -> tuple[str, str | None, Decision]:
         per_backend: dict[str, int] = {}
@@ -205,7 +213,8 @@ class PolicyRouter:
             features = features or RequestFeatures(
                 prompt_tokens=request.prompt_tokens, max_tokens=request.output_tokens, category=request.category
             )
-            self._decisions[key] = decide(features, LoadSnapshot(in_flight=per_backend), self.profile, self.policy)
+            load = LoadSnapshot(in_flight=per_backend, replicas=dict.fromkeys(per_backend, self.replicas))
+            self._decisions[key] = decide(features, load, self.profile, self.policy)
         return self._decisions[key]
 
     def _acceptance(self, request: SimRequest, drafter: str) -> Acceptance:

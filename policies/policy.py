@@ -7,6 +7,7 @@ profile, the policy config), so each decision can be replayed and unit-tested wi
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -57,12 +58,18 @@ class LoadSnapshot(BaseModel):
     model_config = ConfigDict(frozen=True)
 
     in_flight: dict[str, int] = Field(default_factory=dict, description="requests running per backend")
+    replicas: dict[str, int] = Field(
+        default_factory=dict, description="running replicas per backend (absent: one); they share its in-flight load"
+    )
     memory_utilization: float | None = Field(None, ge=0, le=1)
 
     @property
     def concurrency(self) -> int:
-        """Sequences decoding on this machine once this request joins: every backend shares it."""
-        return sum(self.in_flight.values()) + 1
+        """Sequences decoding where this request lands once it joins: one replica of each backend
+        shares a machine (the profile's curves are one machine's), and a backend's load spreads over
+        its replicas, so the batch is each backend's in-flight count per replica, summed."""
+        per_replica = sum(n / max(self.replicas.get(b, 1), 1) for b, n in self.in_flight.items())
+        return math.floor(per_replica + 1e-9) + 1
 
 
 class Decision(BaseModel):

@@ -23,6 +23,7 @@ from policies.engines import (
 )
 from policies.errors import UserError
 from policies.quantization import QUANT_CHOICES, UNCALIBRATED
+from policies.replicas import ReplicaRouting
 from router.load_models import LoadWorkload
 
 if TYPE_CHECKING:
@@ -456,6 +457,19 @@ def _add_serve_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="prefill every prompt in full (default: prompts start from KV blocks earlier requests computed)",
     )
+    parser.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        help="replicas of each backend (requests spread by prefix affinity, then load; default 1)",
+    )
+    parser.add_argument(
+        "--max-imbalance",
+        type=int,
+        default=ReplicaRouting().max_imbalance,
+        help="most requests more than the least-loaded replica that a replica holding the prompt's prefix may "
+        "have and still get it",
+    )
     _add_drafters_flag(parser, None, "drafters the speculative backend loads")
     _add_quantized_drafters_flag(parser)
     parser.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (default: $SPECROUTE_API_KEY)")
@@ -589,7 +603,13 @@ def run_serve(args: argparse.Namespace) -> int:
         # unnamed: the engine's default drafters, once an `auto` engine is decided (ServiceSettings.with_engine)
         **({"drafters": _str_list(args.drafters)} if args.drafters else {}),
     )
-    settings = ServiceSettings(backend=backend, profile=args.profile, api_key=args.api_key)
+    if args.replicas < 1 or args.max_imbalance < 0:
+        got = f"{args.replicas}, {args.max_imbalance}"
+        raise UsageError(f"--replicas must be >= 1 and --max-imbalance >= 0 (got {got})")
+    routing = ReplicaRouting(max_imbalance=args.max_imbalance)
+    settings = ServiceSettings(
+        backend=backend, profile=args.profile, api_key=args.api_key, replicas=args.replicas, replica_routing=routing
+    )
     if not 1 <= args.port <= 65535:
         raise UsageError(f"--port must be 1-65535 (got {args.port})")
     return serve_forever(settings, args.host, args.port, args.policy)

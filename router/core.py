@@ -36,6 +36,7 @@ from .prefix_index import PrefixIndex
 from .schemas import SpecrouteInfo, SpecrouteOptions
 
 log = logging.getLogger("specroute.router")
+PREFIX_BACKENDS = ("speculative", "plain")  # the backends whose replicas keep a prefix cache (not quantized's kernels)
 
 
 class Limits(BaseModel):
@@ -79,6 +80,15 @@ class ObservedPool(Protocol):
         ...
 
     async def loop_snapshots(self) -> list[LoopSnapshot]: ...
+
+
+@runtime_checkable
+class ReplicatedPool(Protocol):
+    """A pool whose backends may run several replicas each (the Serve handles)."""
+
+    def replica_counts(self) -> dict[str, int]:
+        """Running replicas per backend (absent: one, or not known yet)."""
+        ...
 
 
 class Metrics(Protocol):
@@ -144,7 +154,7 @@ class RouterCore:
         served_drafters: list[str] | None = None,
         dtype_choice: DtypeChoice | None = None,
         prefix_blocks: int = 0,
-        prefix_backends: tuple[str, ...] = ("speculative", "plain"),
+        prefix_backends: tuple[str, ...] = PREFIX_BACKENDS,
     ):
         """`served_drafters`: the drafter kinds the speculative backend loaded (None: any profiled);
         `dtype_choice`: the dtype the backends run in and why (None: the profile's, as given);
@@ -235,7 +245,8 @@ class RouterCore:
             raise RequestError(
                 f"unknown category {options.category!r}: use one of {', '.join(self.profile.categories)} or omit it"
             )
-        return Prepared(request, tokens, options, ids)
+        # The backends feed these ids (the prompt is tokenized once, here) and the replica router reads them.
+        return Prepared(request.model_copy(update={"prompt_ids": ids}), tokens, options, ids)
 
     # -- routing --------------------------------------------------------------------------------
     def decide(self, prepared: Prepared, extra_load: int = 0) -> tuple[Decision, RequestFeatures]:
@@ -256,7 +267,8 @@ class RouterCore:
         in_flight = {b: n for b, n in self.load.items() if n}
         if extra_load:
             in_flight["other"] = extra_load
-        snapshot = LoadSnapshot(in_flight=in_flight)
+        replicas = self.pool.replica_counts() if isinstance(self.pool, ReplicatedPool) else {}
+        snapshot = LoadSnapshot(in_flight=in_flight, replicas=replicas)
         return decide(features, snapshot, self.profile, self.effective_policy()), features
 
     def route(self, prepared: Prepared) -> Routed:
@@ -468,6 +480,8 @@ class RouterCore:
             "problems": problems,
             "backends": {b: backends.get(b) or "live" for b in BACKENDS} if backends else None,
             "in_flight": {b: self.load[b] for b in BACKENDS},
+            # known once a backend was sent a request; the policy divides each backend's load by them
+            "replicas": self.pool.replica_counts() if isinstance(self.pool, ReplicatedPool) else None,
             "below_quality_floor": self.below_quality_floor(),
             "policy": self.policy.model_dump(mode="json"),
             "policy_error": self.policy_error,

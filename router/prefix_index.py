@@ -17,12 +17,15 @@ SCOPE = b"router"  # one router's estimate: its keys are compared with its own o
 
 
 class PrefixIndex:
-    """Per backend, the prompt blocks it was sent recently (see the module docstring)."""
+    """Per holder (a backend, or one replica of a backend), the prompt blocks it was sent recently
+    (see the module docstring)."""
 
-    def __init__(self, capacity_blocks: int, backends: Sequence[str]):
-        """`capacity_blocks`: what one backend's KV pool holds, in blocks (0: no prefix caching)."""
+    def __init__(self, capacity_blocks: int, holders: Sequence[str] | None):
+        """`capacity_blocks`: what one holder's KV pool holds, in blocks (0: no prefix caching);
+        `holders`: the ones that cache (None: any a prompt is sent to, as replicas come and go)."""
         self.capacity = capacity_blocks
-        self.blocks: dict[str, OrderedDict[bytes, None]] = {b: OrderedDict() for b in backends}
+        self.open = holders is None
+        self.blocks: dict[str, OrderedDict[bytes, None]] = {b: OrderedDict() for b in holders or ()}
 
     def cached_tokens(self, backend: str, ids: Sequence[int], salt: str | None = None) -> int:
         """Prompt tokens `backend` is expected to find cached (never the last one: it is always fed)."""
@@ -43,11 +46,17 @@ class PrefixIndex:
 
     def sent(self, backend: str, ids: Sequence[int], salt: str | None = None) -> None:
         """The prompt went to `backend`: its blocks are cached there now, the most recently used."""
-        held = self.blocks.get(backend)
-        if held is None or not self.capacity:
+        if not self.capacity:
+            return
+        held = self.blocks.setdefault(backend, OrderedDict()) if self.open else self.blocks.get(backend)
+        if held is None:
             return
         for key in chain_keys(ids, root_key(SCOPE, salt)):
             held[key] = None
             held.move_to_end(key)
         while len(held) > self.capacity:
             held.popitem(last=False)
+
+    def forget(self, holder: str) -> None:
+        """`holder` is gone (a replica died or was removed): whatever replaces it starts empty."""
+        self.blocks.pop(holder, None)

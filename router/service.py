@@ -25,6 +25,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 from ray import serve
+from ray.serve.config import RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
 
 from backends.deployments import BackendSettings, PlainBackend, QuantizedBackend, SpeculativeBackend
@@ -37,14 +38,17 @@ from policies.config import PolicyConfig, default_policy, load_policy
 from policies.engines import EngineName, default_drafters, gguf_method, quantized_drafters
 from policies.prefix import BLOCK_TOKENS
 from policies.profile import Profile, ProfileError
+from policies.replicas import ReplicaRouting
 from policies.serving_dtype import DEFAULT_DTYPE, DtypeChoice, choose_engine
 from profiler.profiling import default_profile_path
 from profiler.workloads import quantization_split
 
 from .app import create_app, install
-from .core import Limits, RouterCore
+from .core import PREFIX_BACKENDS, Limits, RouterCore
 from .dtype_choice import decide_dtype
 from .metrics import ServiceMetrics
+from .replica_registry import replica_counts
+from .replica_router import AffinityRouter
 
 log = logging.getLogger("specroute.service")
 DEPLOYMENTS = {"speculative": "SpeculativeBackend", "plain": "PlainBackend", "quantized": "QuantizedBackend"}
@@ -63,6 +67,10 @@ class ServiceSettings(BaseModel):
     api_key: str | None = Field(None, description="Bearer key clients must send; default: $SPECROUTE_API_KEY")
     router_cpus: float = Field(0.2, gt=0, description="Ray CPUs reserved for the router replica")
     backend_cpus: float = Field(0.5, gt=0, description="Ray CPUs reserved for each backend replica")
+    replicas: int = Field(1, ge=1, le=256, description="replicas of each backend deployment")
+    replica_routing: ReplicaRouting = Field(
+        default_factory=ReplicaRouting, description="how requests spread over the replicas of one backend"
+    )
     dtype_choice: DtypeChoice | None = Field(
         None, description="set by resolve_dtype: the dtype served, with the measured reason (not for config files)"
     )
@@ -139,6 +147,21 @@ def quantization_served(backend: BackendSettings) -> str:
     return backend.quantization
 
 
+def prefix_blocks(settings: ServiceSettings, backend: str = "plain") -> int:
+    """KV blocks a replica of `backend` may keep as prefix cache: float32 torch targets cache
+    (backends.engines.caches_exactly), the quantized backend's int kernels and llama.cpp do not yet."""
+    b, choice = settings.backend, settings.dtype_choice
+    caching = b.prefix_caching and b.engine == "torch" and choice is not None and choice.dtype == "float32"
+    return b.cache_tokens // BLOCK_TOKENS if caching and backend in PREFIX_BACKENDS else 0
+
+
+def replica_router(settings: ServiceSettings, backend: str) -> RequestRouterConfig:
+    """How a backend deployment's handles pick its replica (`router.replica_router`)."""
+    kwargs = {"prefix_blocks": prefix_blocks(settings, backend), **settings.replica_routing.model_dump()}
+    path = f"{AffinityRouter.__module__}.{AffinityRouter.__qualname__}"  # imported where the handle runs
+    return RequestRouterConfig(request_router_class=path, request_router_kwargs=kwargs)
+
+
 class HandlePool:
     """`BackendPool` over Serve deployment handles, streaming; `ObservedPool` through Serve's
     controller (which replicas live) and each backend's `loop_metrics`."""
@@ -157,6 +180,11 @@ class HandlePool:
         app = status.applications.get(self.app_name)
         deployments = app.deployments if app is not None else {}
         return {name: _replica_problem(deployments.get(DEPLOYMENTS[name])) for name in self.handles}
+
+    def replica_counts(self) -> dict[str, int]:
+        """Running replicas per backend, as this process's handles route over them (absent: not yet known)."""
+        counts = replica_counts()
+        return {name: counts[d] for name, d in DEPLOYMENTS.items() if d in counts}
 
     async def loop_snapshots(self) -> list[LoopSnapshot]:
         """Each backend's step-loop snapshot; a backend that does not answer within
@@ -209,11 +237,9 @@ class Router:
         policy = load_policy(s.policy) if s.policy else default_policy()
         handles = {"speculative": speculative, "plain": plain, "quantized": quantized}
         pool = HandlePool(handles, serve.get_replica_context().app_name)
-        b = s.backend  # float32 torch targets keep prefix caches (backends.engines.caches_exactly); llama.cpp none yet
-        caching = b.prefix_caching and b.engine == "torch" and s.dtype_choice.dtype == "float32"
-        blocks = b.cache_tokens // BLOCK_TOKENS if caching else 0
+        b = s.backend
         self.core = RouterCore(
-            profile, policy, tokenizer, pool, s.limits, ServiceMetrics(), b.drafters, s.dtype_choice, blocks
+            profile, policy, tokenizer, pool, s.limits, ServiceMetrics(), b.drafters, s.dtype_choice, prefix_blocks(s)
         )
         install(app, self.core, profile.model.name, s.api_key or os.environ.get("SPECROUTE_API_KEY") or None)
 
@@ -252,10 +278,17 @@ def build_app(args: dict[str, Any], policy: dict[str, Any] | None = None) -> ser
     backend_args = settings.backend.model_dump(mode="json")
     backend_args["profile"] = backend_args["profile"] or str(settings.profile_path())
     backend_args["profile_data"] = settings.profile_data
-    options = {"ray_actor_options": {"num_cpus": settings.backend_cpus}}
-    speculative = SpeculativeBackend.options(**options).bind(backend_args)
-    plain = PlainBackend.options(**options).bind(backend_args)
-    quantized = QuantizedBackend.options(**options).bind(quantized_args(settings.backend, backend_args))
+
+    def options(backend: str) -> dict[str, Any]:
+        return {
+            "ray_actor_options": {"num_cpus": settings.backend_cpus},
+            "num_replicas": settings.replicas,
+            "request_router_config": replica_router(settings, backend),
+        }
+
+    speculative = SpeculativeBackend.options(**options("speculative")).bind(backend_args)
+    plain = PlainBackend.options(**options("plain")).bind(backend_args)
+    quantized = QuantizedBackend.options(**options("quantized")).bind(quantized_args(settings.backend, backend_args))
     router_options: dict[str, Any] = {"ray_actor_options": {"num_cpus": settings.router_cpus}}
     if policy is not None:
         router_options["user_config"] = {"policy": policy}

@@ -2,6 +2,7 @@ import pytest
 import torch
 from transformers import GenerationConfig
 
+from backends.errors import RequestError
 from backends.generation import GenerationRequest
 from backends.plain import left_pad, position_ids
 from backends.sampling import SamplingParams
@@ -114,6 +115,19 @@ def test_results_report_counts_and_timings(engine):
 def test_prompt_beyond_the_context_window_is_refused(engine):
     with pytest.raises(ValueError, match="exceeds the model's context of 8192 tokens: shorten the prompt"):
         engine.generate([GenerationRequest(prompt="word " * 8000, max_tokens=500)])
+
+
+def test_prompt_ids_the_router_sent_are_fed_as_they_are_and_checked_against_the_vocabulary(engine):
+    text = GenerationRequest(prompt="The weather today is", max_tokens=5)
+    ids = engine.encode(text)
+    given = GenerationRequest(prompt="The weather today is", prompt_ids=ids, max_tokens=5, resume_ids=[11])
+    assert engine.encode(given) == [*ids, 11]
+    assert (
+        engine.generate([given.model_copy(update={"resume_ids": []})])[0].token_ids
+        == engine.generate([text])[0].token_ids
+    )
+    with pytest.raises(RequestError, match="prompt_ids must be token ids of this model's vocabulary"):
+        engine.encode(GenerationRequest(prompt="x", prompt_ids=[1, engine.vocab], max_tokens=5))
 
 
 def test_empty_batch_returns_nothing(engine):

@@ -126,6 +126,31 @@ def test_a_forced_mode_takes_its_backend_and_replicas_share_the_load():
     assert 1 in forced.chosen  # forced speculation still drafts, with the drafter rated best
 
 
+def test_the_policy_decides_with_each_replicas_own_load():
+    """Six plain requests over three replicas: the request joins a machine running two, not six."""
+    profile = synthetic_profile()
+    router = PolicyRouter(profile, default_policy(), "auto", replicas=3)
+    load = {replica_key("plain", i): 2 for i in range(3)}
+    _, _, decision = router._decide(request(0, "copy"), load)
+    assert decision.concurrency == 3
+    single = PolicyRouter(profile, default_policy(), "auto", replicas=1)
+    assert single._decide(request(0, "copy"), {replica_key("plain", 0): 6})[2].concurrency == 7
+
+
+def test_requests_sharing_a_prefix_stay_on_its_replica_until_it_runs_too_far_ahead():
+    profile = synthetic_profile()
+    router = PolicyRouter(profile, default_policy(), "plain", replicas=2)
+    shared = SimRequest(id=0, prompt_tokens=700, output_tokens=10, category="copy", shared_prefix=600)
+    load = {replica_key("plain", 0): 0, replica_key("plain", 1): 0}
+    assert router(shared, load) == "plain#0"
+    load["plain#0"] = 3  # within the default bound (4) of plain#1's 0: the warm replica keeps it
+    assert router(shared, load) == "plain#0"
+    load["plain#0"] = 5
+    assert router(shared, load) == "plain#1"
+    alone = SimRequest(id=1, prompt_tokens=700, output_tokens=10, category="copy")
+    assert router(alone, {"plain#0": 1, "plain#1": 2}) == "plain#0"  # no shared prefix: least loaded
+
+
 def test_measured_acceptance_of_a_prompt_wins_over_its_category_mean():
     profile = synthetic_profile()
     measured = {0: {NGRAM: Acceptance(NGRAM, 0.33, 0.5)}}

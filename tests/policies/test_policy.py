@@ -103,6 +103,16 @@ def test_speculation_follows_the_cost_model_break_even():
     assert below.candidates[0].k == above.candidates[0].k == 1
 
 
+def test_the_batch_is_each_backends_load_per_replica_summed():
+    assert LoadSnapshot(in_flight={"plain": 7}).concurrency == 8
+    assert LoadSnapshot(in_flight={"plain": 7}, replicas={"plain": 2}).concurrency == 4
+    # one replica of each backend shares a machine: 4 plain over 2 replicas and 3 speculative on one
+    assert LoadSnapshot(in_flight={"plain": 4, "speculative": 3}, replicas={"plain": 2}).concurrency == 6
+    assert (
+        LoadSnapshot(in_flight={"plain": 3, "speculative": 3}, replicas={"plain": 2, "speculative": 2}).concurrency == 4
+    )
+
+
 def test_max_concurrency_caps_speculation():
     decision = decide(features("copy"), load(4), synthetic_profile(), policy(speculation={"max_concurrency": 4}))
     assert decision.backend == "plain"

@@ -266,3 +266,36 @@ def test_a_finished_profile_replaces_the_provisional_one_and_a_wrong_one_is_refu
     assert router.apply_profile(full)
     assert not router.profile.provisional and router.profile_error is None
     assert router.predictors is learned  # the same samples: what the predictors learned since is kept
+
+
+class ReplicatedPool(OnePool):
+    """Two replicas of every backend, the requests passed along as the backends get them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.requests: list[dict] = []
+
+    def replica_counts(self) -> dict[str, int]:
+        return {"speculative": 2, "plain": 2, "quantized": 2}
+
+    async def stream(self, backend, request, drafter, batching="continuous"):
+        self.requests.append(request)
+        async for event in super().stream(backend, request, drafter, batching):
+            yield event
+
+
+def test_the_backend_gets_the_prompt_ids_and_the_policy_each_replicas_load(tokenizer):
+    pool = ReplicatedPool()
+    router = RouterCore(synthetic_profile(), PolicyConfig(), tokenizer, pool)
+    pool.core = router
+    prepared = router.prepare(*request())
+    assert prepared.request.prompt_ids == prepared.prompt_ids == tokenizer("prose prompt 1").input_ids
+    router.load["plain"] = 6  # over two replicas: the request joins a machine running three
+    routed = router.route(prepared)
+    assert routed.concurrency == 4
+
+    async def run():
+        return [e async for e in router.run(prepared, routed)]
+
+    asyncio.run(run())
+    assert pool.requests[0]["prompt_ids"] == prepared.prompt_ids

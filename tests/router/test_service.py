@@ -139,6 +139,8 @@ def test_a_lone_copy_request_goes_speculative_and_reports_alpha(service):
     # The answer copies the prompt's list, so prompt lookup's drafts are accepted.
     assert 0 < info["accepted_tokens"] <= info["draft_tokens"] and 0 < info["alpha"] <= 1
     assert info["mean_accepted_length"] > 1
+    # the speculative backend's handle routes over its one replica, and the router knows it
+    assert httpx.get(f"{service.url}/healthz", timeout=30).json()["replicas"]["speculative"] == 1
 
 
 def test_under_concurrency_the_router_moves_work_to_the_large_batch_backend(service):
