@@ -87,6 +87,7 @@ class SpeculativeModel:
         self.k_max = min(k_max, self.curve.max_width - 1)
         self.profile = profile
         self._cache: dict[tuple, tuple[float, dict[str | None, int]]] = {}
+        self._costs: dict[tuple[int, int], tuple[list[float], dict[str, float]]] = {}
 
     def prefill_seconds(self, tokens: int, running: int) -> float:
         return self.profile.prefill.per_token(1, tokens) * prefill_scale(self.curve, self.profile.target, running + 1)
@@ -113,13 +114,21 @@ class SpeculativeModel:
             return RowOutlook(drafter=None, alpha=0.0, proposal_rate=0.0, k_cap=0)
         return RowOutlook(chosen.drafter, chosen.alpha, chosen.proposal_rate, self.k_max)
 
+    def _costs_at(self, b: int, context: int) -> tuple[list[float], dict[str, float]]:
+        """Pass seconds by width and each drafter's step seconds at batch `b` over `context`: the
+        same for every composition of a batch that size (the plans differ, these do not)."""
+        key = (b, context)
+        if key not in self._costs:
+            passes = [self.pass_seconds(b, w, context) for w in self.curve.widths]
+            self._costs[key] = passes, {d.name: d.step_at(b) for d in self.profile.drafters}
+        return self._costs[key]
+
     def _plan(self, outlooks: list[RowOutlook], context: int) -> tuple[float, dict[str | None, int]]:
         """The k `plan_step` gives each drafter, and the step's expected seconds with them:
         drafting, then a wide pass unless no row proposed (probability Π(1 − ρ) over the drafting
         rows), else a 1-token pass; every pass over `context` cached tokens a row."""
         b = len(outlooks)
-        passes = [self.pass_seconds(b, w, context) for w in self.curve.widths]
-        drafts = {d.name: d.step_at(b) for d in self.profile.drafters}
+        passes, drafts = self._costs_at(b, context)
         ks = plan_step(outlooks, passes, drafts, self.k_max)
         k_of: dict[str | None, int] = {}
         for o, k in zip(outlooks, ks, strict=True):
@@ -180,7 +189,7 @@ class PolicyRouter:
         backend, drafter, decision = self._decide(request, in_flight)
         if backend == "speculative" and drafter is not None:
             self.chosen[request.id] = self._acceptance(request, drafter)
-        elif backend == "quantized" and drafter is not None:  # the α the policy gave the quantized model
+        elif backend == "quantized" and drafter is not None and decision is not None:  # the policy's α for it
             stacked = decision.chosen()
             self.chosen[request.id] = Acceptance(drafter, stacked.alpha or 0.0, stacked.proposal_rate)
         keys = [replica_key(backend, i) for i in range(self.replicas)]
@@ -190,31 +199,32 @@ class PolicyRouter:
             self._prefilled.add(chosen)
         return chosen
 
-    def _decide(self, request: SimRequest, in_flight: Mapping[str, int]) -> tuple[str, str | None, Decision]:
+    def _decide(self, request: SimRequest, in_flight: Mapping[str, int]) -> tuple[str, str | None, Decision | None]:
+        if self.mode not in ("auto", "speculative"):
+            return self.mode, None, None  # a forced plain or quantized mode needs no decision
         per_backend: dict[str, int] = {}
         for key, n in in_flight.items():
             per_backend[backend_of(key)] = per_backend.get(backend_of(key), 0) + n
         decision = self._decision(request, per_backend)
         if self.mode == "auto":
             return decision.backend, decision.drafter, decision
-        if self.mode != "speculative":
-            return self.mode, None, decision
         specs = [c for c in decision.candidates if c.backend == "speculative"]
         best = max(specs, key=lambda c: c.speedup, default=None)
         return "speculative", best.drafter if best else None, decision
 
     def _decision(self, request: SimRequest, per_backend: dict[str, int]) -> Decision:
         """`decide` for this request at this load, remembered: the same prompt (length, category,
-        predictions) at the same in-flight counts gets the same decision. max_tokens only moves
-        the predicted e2e latency, which no stage decides on, so it is not part of the key."""
+        predictions) at the same concurrency (all `decide` reads of the load) gets the same
+        decision. max_tokens only moves the predicted e2e latency, which no stage decides on, so it
+        is not part of the key."""
         features = self.features_of.get(request.id)
-        key = (request.category, request.prompt_tokens, id(features), tuple(sorted(per_backend.items())))
+        load = LoadSnapshot(in_flight=per_backend, replicas=dict.fromkeys(per_backend, self.replicas))
+        key = (request.category, request.prompt_tokens, id(features), load.concurrency)
         if key not in self._decisions:
             features = features or RequestFeatures(
                 prompt_tokens=request.prompt_tokens, max_tokens=request.output_tokens, category=request.category
             )
-            load = LoadSnapshot(in_flight=per_backend, replicas=dict.fromkeys(per_backend, self.replicas))
-            self._decisions[key] = decide(features, load, self.profile, self.policy)
+            self._decisions[key] = decide(features, load, self.profile, self.policy, break_even=False)
         return self._decisions[key]
 
     def _acceptance(self, request: SimRequest, drafter: str) -> Acceptance:

@@ -92,7 +92,12 @@ class Decision(BaseModel):
         return next(c for c in self.candidates if c.backend == self.backend and c.drafter == self.drafter)
 
 
-def decide(features: RequestFeatures, load: LoadSnapshot, profile: Profile, config: PolicyConfig) -> Decision:
+def decide(
+    features: RequestFeatures, load: LoadSnapshot, profile: Profile, config: PolicyConfig, break_even: bool = True
+) -> Decision:
+    """Where the request goes and why. `break_even`: also the concurrency from which each drafter
+    stops paying — an explanation (/v1/advise shows it) that routing and the capacity simulation
+    skip, as it costs more than the decision itself."""
     costs = ProfileCosts(profile, decode_context(features.prompt_tokens, features.max_tokens))
     b = config.concurrency_override or load.concurrency
     # A provisional profile's decisions use what is measured so far: every decision says so first.
@@ -126,7 +131,7 @@ def decide(features: RequestFeatures, load: LoadSnapshot, profile: Profile, conf
         elasticity=eps,
         reasons=reasons,
         candidates=candidates,
-        break_even=_break_even(costs, specs, config, b),
+        break_even=_break_even(costs, specs, config, b) if break_even else {},
     )
 
 

@@ -29,6 +29,7 @@ No torch, transformers or ray: the router loads this in its own process.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
@@ -44,7 +45,15 @@ from sklearn.preprocessing import StandardScaler
 
 from policies.drafters import kind_of
 from policies.profile import AcceptanceSample, PredictorScore, Profile, ProfileError
-from profiler.features import prompt_features
+from profiler.features import PromptFeatures, prompt_features
+
+
+@functools.lru_cache(maxsize=16)
+def _features(text: str, turns: int, prompt_tokens: int) -> PromptFeatures:
+    """A prompt's features, computed once for all its predictions: the router asks α and ρ of
+    every drafter for each request (and feeds the outcome back) from the same text."""
+    return prompt_features(text, turns, prompt_tokens)
+
 
 Target = Literal["alpha", "proposal_rate"]
 
@@ -221,7 +230,7 @@ class AlphaPredictor:
         online correction of (drafter, category), or of (drafter, any category) without one."""
         model = self._model(drafter)
         category = category or None
-        model_alpha, basis = model.predict(prompt_features(text, turns, prompt_tokens).vector(), category)
+        model_alpha, basis = model.predict(_features(text, turns, prompt_tokens).vector(), category)
         running = self._online.get((model.name, category or ANY_CATEGORY), _Running())
         correction = running.correction(self.prior_weight)
         source = f"model ({basis})"
@@ -254,7 +263,7 @@ class AlphaPredictor:
         if judged_tokens == 0:
             return  # nothing was judged: no evidence about acceptance
         observed = accepted_tokens / judged_tokens
-        features = prompt_features(text, turns, prompt_tokens).vector()
+        features = _features(text, turns, prompt_tokens).vector()
         keys = [(None, ANY_CATEGORY)] + ([(category, category)] if category else [])
         for model_category, key in keys:
             model_alpha, _ = model.predict(features, model_category)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -610,6 +611,7 @@ def run_serve(args: argparse.Namespace) -> int:
     settings = ServiceSettings(
         backend=backend, profile=args.profile, api_key=args.api_key, replicas=args.replicas, replica_routing=routing
     )
+    settings = settings.fitted_to(os.cpu_count() or 1)
     if not 1 <= args.port <= 65535:
         raise UsageError(f"--port must be 1-65535 (got {args.port})")
     return serve_forever(settings, args.host, args.port, args.policy)

@@ -249,7 +249,9 @@ class RouterCore:
         return Prepared(request.model_copy(update={"prompt_ids": ids}), tokens, options, ids)
 
     # -- routing --------------------------------------------------------------------------------
-    def decide(self, prepared: Prepared, extra_load: int = 0) -> tuple[Decision, RequestFeatures]:
+    def decide(self, prepared: Prepared, extra_load: int = 0, explain: bool = True) -> tuple[Decision, RequestFeatures]:
+        """The policy's decision for this request at the live load; `explain`: with each drafter's
+        break-even concurrency (advice shows it; routing skips its cost)."""
         try:
             features = request_features(
                 prepared.request,
@@ -269,10 +271,10 @@ class RouterCore:
             in_flight["other"] = extra_load
         replicas = self.pool.replica_counts() if isinstance(self.pool, ReplicatedPool) else {}
         snapshot = LoadSnapshot(in_flight=in_flight, replicas=replicas)
-        return decide(features, snapshot, self.profile, self.effective_policy()), features
+        return decide(features, snapshot, self.profile, self.effective_policy(), break_even=explain), features
 
     def route(self, prepared: Prepared) -> Routed:
-        decision, features = self.decide(prepared)
+        decision, features = self.decide(prepared, explain=False)
         forced = prepared.options.backend
         backend, drafter, k, stage = decision.backend, decision.drafter, decision.k, decision.stage
         reasons = list(decision.reasons)

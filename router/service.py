@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -77,6 +78,14 @@ class ServiceSettings(BaseModel):
     profile_data: dict[str, Any] | None = Field(
         None, description="set by build_app: the profile itself, passed to replicas on any node (not for config files)"
     )
+
+    def fitted_to(self, cpus: int) -> ServiceSettings:
+        """These settings with each backend replica's Ray CPUs lowered, if need be, so the router and
+        every replica fit on `cpus` (one machine: `specroute serve`); Ray would leave the rest pending."""
+        fits = (cpus - self.router_cpus) / (len(DEPLOYMENTS) * self.replicas)
+        if self.backend_cpus <= fits:
+            return self
+        return self.model_copy(update={"backend_cpus": max(math.floor(fits * 1000) / 1000, 0.001)})
 
     def profile_path(self) -> Path:
         b = self.backend

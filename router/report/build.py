@@ -22,7 +22,7 @@ from policies.workload import Workload
 from . import data as r
 from .inputs import ReportConfig, read_inputs, timestamp
 from .recommend import recommend
-from .simulate import Traffic, draw_traffic, read_prompts, size, validate, what_if
+from .simulate import Runs, Traffic, draw_traffic, read_prompts, size, validate, what_if
 from .tradeoff import (
     acceptance_rows,
     concurrency_curves,
@@ -63,7 +63,9 @@ NOTES = [
     "Backends do not compete for cores in the simulation; on a machine where the three replicas share few cores, "
     "a routed run that keeps several busy is slower than simulated.",
     "The router's HTTP and tokenization overhead is not simulated (it is part of the measured TTFT).",
-    "The routed service decides with the in-flight count over all its replicas, as the live router does.",
+    "The routed service decides with each backend's in-flight count per replica, as the live router does, and "
+    "sends a request sharing the workload's prefix to a replica that holds it unless that one runs "
+    "`max_imbalance` requests more than the least loaded.",
 ]
 
 
@@ -96,8 +98,9 @@ def build_report(config: ReportConfig, progress: bool = True, model: str | None 
         recommendation=r.Recommendation(backend="", replicas=None, headline="", reasons=[], uncertainty=[]),
         notes=[*NOTES, *skipped],
     )
-    report.sizing, _ = size(inputs, traffic, config, progress)
-    report.what_if = what_if(inputs, traffic, config, progress)
+    runs = Runs(inputs.policy, traffic, config.seed, (workload.slo.ttft_ms, workload.slo.tpot_ms))
+    report.sizing, _ = size(inputs, traffic, config, progress, runs)
+    report.what_if = what_if(inputs, traffic, config, progress, runs)
     if inputs.fit is not None:
         report.notes.append(
             f"bench model-fit: the cost model's speedups were off by {inputs.fit.mape:.1f}% on average "

@@ -286,6 +286,36 @@ def run_workload(
     return summarize(records, slo[0], slo[1], replicas)
 
 
+class Runs:
+    """`run_workload` remembered per (profile, mode, replicas, load factor): the sizing, the
+    what-if grid and their searches ask for many of the same runs, and each is deterministic."""
+
+    def __init__(self, policy: PolicyConfig, traffic: Traffic, seed: int, slo: tuple[float, float]):
+        self.policy, self.traffic, self.seed, self.slo = policy, traffic, seed, slo
+        self.done: dict[tuple[int, str, int, float], RunSummary] = {}
+        # (profile, mode) → the fewest replicas meeting the SLO at 1× (None: not even the most tried)
+        self.fewest: dict[tuple[int, str], int | None] = {}
+
+    def search_start(self, profile: Profile, mode: str, factor: float, most: int) -> tuple[int, int]:
+        """Where the fewest-replicas search at `factor` × load may start, as (a count known to miss,
+        a first guess), from the sizing at 1×: more load never needs fewer replicas, so one less
+        than the fewest at 1× misses, and if no count met 1× only the largest is worth running."""
+        key = (id(profile), mode)
+        if factor <= 1 or key not in self.fewest:
+            return 0, 1
+        at_1x = self.fewest[key]
+        if at_1x is None:
+            return most - 1, most
+        return at_1x - 1, math.ceil(at_1x * factor)
+
+    def __call__(self, profile: Profile, mode: str, replicas: int, factor: float) -> RunSummary:
+        key = (id(profile), mode, replicas, factor)
+        if key not in self.done:
+            traffic, seed = self.traffic, self.seed
+            self.done[key] = run_workload(profile, self.policy, traffic, mode, replicas, factor, seed, self.slo)
+        return self.done[key]
+
+
 def _meets(summary: RunSummary, workload: Workload) -> bool:
     slo = workload.slo
     e2e_ok = slo.e2e_p99_ms is None or summary.e2e_ms[2] <= slo.e2e_p99_ms
@@ -293,10 +323,16 @@ def _meets(summary: RunSummary, workload: Workload) -> bool:
 
 
 def fewest_replicas(
-    run: Callable[[int], RunSummary], meets: Callable[[RunSummary], bool], most: int
+    run: Callable[[int], RunSummary],
+    meets: Callable[[RunSummary], bool],
+    most: int,
+    short: int = 0,
+    guess: int = 1,
 ) -> tuple[int | None, RunSummary]:
-    """The fewest replicas in 1..most whose run meets the SLO (more replicas never hurt: doubling,
-    then bisection), with that run; None and the largest run when even `most` does not."""
+    """The fewest replicas in short+1..most whose run meets the SLO (more replicas never hurt:
+    from `guess`, doubling while short, then bisection), with that run; None and the largest run
+    when even `most` does not. `short`: a count known to miss (0: none), as the fewest at a lower
+    load, less one, is at a higher one."""
     tried: dict[int, RunSummary] = {}
 
     def at(n: int) -> RunSummary:
@@ -304,7 +340,8 @@ def fewest_replicas(
             tried[n] = run(n)
         return tried[n]
 
-    n, failed = 1, 0  # failed: the largest count known to miss
+    failed = min(short, most - 1)  # the largest count known to miss
+    n = min(max(guess, failed + 1), most)
     while not meets(at(n)):
         if n >= most:
             return None, at(n)
@@ -391,19 +428,20 @@ def _capacity(profile: Profile, policy: PolicyConfig, traffic: Traffic, mode: st
 
 
 def size(
-    inputs: Inputs, traffic: Traffic, config: ReportConfig, progress: bool
+    inputs: Inputs, traffic: Traffic, config: ReportConfig, progress: bool, runs: Runs | None = None
 ) -> tuple[list[r.SizingRow], dict[str, RunSummary]]:
     profile, policy, workload = inputs.profile, inputs.policy, inputs.workload
-    slo = (workload.slo.ttft_ms, workload.slo.tpot_ms)
-    rows, runs = [], {}
+    runs = runs or Runs(policy, traffic, config.seed, (workload.slo.ttft_ms, workload.slo.tpot_ms))
+    rows, sized = [], {}
     tokens_per_row = float(np.mean([q.prompt_tokens + q.output_tokens for q in traffic.requests]))
     for mode in tqdm(_modes(profile), desc="sizing", unit="backend", disable=not progress, leave=False):
 
         def run(n: int, mode: str = mode) -> RunSummary:
-            return run_workload(profile, policy, traffic, mode, n, 1.0, config.seed, slo)
+            return runs(profile, mode, n, 1.0)
 
         replicas, summary = fewest_replicas(run, lambda s: _meets(s, workload), config.max_replicas)
-        runs[mode] = summary
+        sized[mode] = summary
+        runs.fewest[(id(profile), mode)] = replicas
         price = replica_price(mode, workload, profile)
         capacity = _capacity(profile, policy, traffic, mode)
         n = replicas or config.max_replicas
@@ -433,14 +471,18 @@ def size(
                 usd_per_million_tokens_busy=usd_per_million(1, price.replica_hour_usd, capacity),
             )
         )
-    return rows, runs
+    return rows, sized
 
 
-def what_if(inputs: Inputs, traffic: Traffic, config: ReportConfig, progress: bool) -> list[r.WhatIfRow]:
+def what_if(
+    inputs: Inputs, traffic: Traffic, config: ReportConfig, progress: bool, runs: Runs | None = None
+) -> list[r.WhatIfRow]:
     """The workload's what-if grid (replicas × load factors, on this machine's profile and any
-    compared one), and for every load factor but 1× the fewest replicas that meet the SLO."""
+    compared one), and for every load factor but 1× the fewest replicas that meet the SLO (its
+    search starts from the sizing at 1×: fewer never meet more load, and load × replicas is the
+    first guess)."""
     workload = inputs.workload
-    slo = (workload.slo.ttft_ms, workload.slo.tpot_ms)
+    runs = runs or Runs(inputs.policy, traffic, config.seed, (workload.slo.ttft_ms, workload.slo.tpot_ms))
     profiles = [("this machine", inputs.profile), *inputs.compare]
     factors = workload.what_if.load_factors
     grid = [
@@ -455,10 +497,11 @@ def what_if(inputs: Inputs, traffic: Traffic, config: ReportConfig, progress: bo
     for label, profile, mode, n, factor in tqdm(grid, desc="what-if", unit="run", disable=not progress, leave=False):
 
         def run(replicas: int, profile: Profile = profile, mode: str = mode, factor: float = factor) -> RunSummary:
-            return run_workload(profile, inputs.policy, traffic, mode, replicas, factor, config.seed, slo)
+            return runs(profile, mode, replicas, factor)
 
         if n is None:  # sized for this load
-            fewest, s = fewest_replicas(run, lambda x: _meets(x, workload), config.max_replicas)
+            short, guess = runs.search_start(profile, mode, factor, config.max_replicas)
+            fewest, s = fewest_replicas(run, lambda x: _meets(x, workload), config.max_replicas, short, guess)
             replicas = fewest or config.max_replicas
             scenario = f"{factor:g}× load, fewest replicas meeting the SLO" + (
                 "" if fewest else f" (none up to {config.max_replicas})"

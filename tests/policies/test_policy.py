@@ -284,6 +284,9 @@ def test_break_even_per_drafter_is_reported_for_capacity_planning():
     assert decision.break_even["ngram"] in (27, 28, 29)
     high = decide(features("copy", ngram=0.95), load(1), synthetic_profile(), one)
     assert high.break_even["ngram"] is None or high.break_even["ngram"] > decision.break_even["ngram"]
+    # routing and the simulation skip it; the decision itself is the same
+    quick = decide(features("copy", ngram=0.5), load(1), synthetic_profile(), one, break_even=False)
+    assert quick.break_even == {} and quick.model_copy(update={"break_even": decision.break_even}) == decision
 
 
 def test_rare_proposals_shrink_the_predicted_gain():

@@ -44,3 +44,10 @@ def test_kuberay_rayservice_embeds_a_valid_serve_config():
     workers = service["spec"]["rayClusterConfig"]["workerGroupSpecs"]
     limits = [c["resources"]["limits"] for w in workers for c in w["template"]["spec"]["containers"]]
     assert any("nvidia.com/gpu" in limit for limit in limits)
+
+
+def test_serve_on_one_machine_lowers_each_replicas_cpus_until_every_replica_fits():
+    settings = ServiceSettings()
+    assert settings.fitted_to(2) is settings  # 0.2 + 3 × 0.5 fit on two cores
+    two = ServiceSettings(replicas=2).fitted_to(2)
+    assert two.router_cpus + 6 * two.backend_cpus <= 2 and two.backend_cpus == 0.3

@@ -218,6 +218,12 @@ def test_fewest_replicas_bisects_to_the_smallest_count_that_meets_the_slo():
     assert len(calls) == len(set(calls)) <= 9  # 1, 2, 4, 8, 16, then bisection
     none, largest = fewest_replicas(run, lambda s: False, most=5)
     assert none is None and calls[-1] == 5
+    calls.clear()  # a higher load's search: 10 known short (the fewest at 1× less one), 12 guessed
+    assert fewest_replicas(run, lambda s: s.attainment >= 1.0, most=64, short=10, guess=12)[0] == 11
+    assert calls == [12, 11]
+    calls.clear()
+    assert fewest_replicas(run, lambda s: s.attainment >= 1.0, most=64, short=2, guess=3)[0] == 11
+    assert calls[:3] == [3, 6, 12] and 11 in calls and all(n > 2 for n in calls)
 
 
 def test_a_jsonl_workload_is_rated_prompt_by_prompt(tmp_path):
