@@ -41,6 +41,11 @@ class CellStats(BaseModel):
     cached_share: float | None = Field(
         None, description="prompt tokens found in the backends' prefix caches over all prompt tokens (None: unknown)"
     )
+    outside_ms: float | None = Field(
+        None,
+        description="median of the client's TTFT less the TTFT the serving backend reported: what HTTP, the router "
+        "and the hop to the backend add (None: no backend reported one)",
+    )
 
 
 class LevelSummary(BaseModel):
@@ -153,7 +158,19 @@ def cell_stats(config: LoadConfig, cell: Cell, records: list[RequestRecord], wal
         goodput_rps=met / wall_s,
         served_by={name: n / len(ok) for name, n in backends.most_common()},
         cached_share=_cached_share(ok),
+        outside_ms=_outside_backend(ok),
     )
+
+
+def _outside_backend(records: list[RequestRecord]) -> float | None:
+    """The median TTFT a request spent outside the backend that served it (its `specroute.ttft_ms`
+    counts from the backend's receipt of the request; a retried one's counts from its last attempt)."""
+    gaps = [
+        r.ttft_ms - r.route["ttft_ms"]
+        for r in records
+        if r.ttft_ms is not None and r.route and r.route.get("ttft_ms") is not None and not r.route.get("retried")
+    ]
+    return float(np.median(gaps)) if gaps else None
 
 
 def _cached_share(records: list[RequestRecord]) -> float | None:
@@ -233,7 +250,7 @@ def _served(cell: CellStats) -> str:
 
 HEADER = (
     f"  {'mode':<12} {'batching':<10} {'served by':<28} {'TTFT p50/p99':>15} {'TPOT p50/p99':>15} "
-    f"{'e2e p50/p99':>17} {'tok/s':>8} {'goodput/s':>10} {'errors':>8} {'cached':>7}"
+    f"{'e2e p50/p99':>17} {'tok/s':>8} {'goodput/s':>10} {'errors':>8} {'cached':>7} {'outside':>8}"
 )
 
 
@@ -241,7 +258,8 @@ def _row(cell: CellStats) -> str:
     return (
         f"  {cell.mode:<12} {cell.batching:<10} {_served(cell):<28} {_ms(cell.ttft_ms):>15} "
         f"{_ms(cell.tpot_ms, 1):>15} {_ms(cell.e2e_ms):>17} {cell.output_tokens_per_s:8.1f} "
-        f"{cell.goodput_rps:10.2f} {f'{cell.errors}/{cell.requests}':>8} {_share(cell.cached_share):>7}"
+        f"{cell.goodput_rps:10.2f} {f'{cell.errors}/{cell.requests}':>8} {_share(cell.cached_share):>7} "
+        f"{'—' if cell.outside_ms is None else f'{cell.outside_ms:.0f} ms':>8}"
     )
 
 

@@ -21,6 +21,9 @@ TOKENS = 4
 LEVELS = [1, 2, 4]
 
 
+OUTSIDE_MS = 20.0  # what the fake service says its router and HTTP took before the backend's TTFT
+
+
 class FakeService:
     """The HTTP contract of `specroute serve`, with fixed sleeps. Math prompts get an HTTP 500; QA
     streams are cut before [DONE]; auto routes code to speculative and the rest to plain."""
@@ -65,6 +68,7 @@ class FakeService:
                 self.in_flight -= 1
                 return  # cut: no usage, no [DONE]
         route = {"backend": backend, "drafter": None, "k": None, "stage": "test", "reasons": [], "retried": False}
+        route["ttft_ms"] = TTFT_S * 1e3 - OUTSIDE_MS  # the backend's own count starts once the request reached it
         usage = {
             "prompt_tokens": 10,
             "completion_tokens": TOKENS,
@@ -183,8 +187,8 @@ def test_render_has_a_row_per_mode_and_the_router_comparison(report):
         [row] = [r for r in sections[f"c={cell.level.concurrency}"] if r.split()[:2] == [cell.mode, cell.batching]]
         assert f" {cell.ttft_ms.p50:.0f} / {cell.ttft_ms.p99:.0f} " in row
         assert f" {cell.tpot_ms.p50:.1f} / {cell.tpot_ms.p99:.1f} " in row
-        tail = [f"{cell.output_tokens_per_s:.1f}", f"{cell.goodput_rps:.2f}", "2/8", "40%"]
-        assert row.split()[-4:] == tail  # the cached share: 4 of 10 prompt tokens, as the usage chunks said
+        tail = [f"{cell.output_tokens_per_s:.1f}", f"{cell.goodput_rps:.2f}", "2/8", "40%", f"{cell.outside_ms:.0f}"]
+        assert row.split()[-6:-1] == tail  # the cached share: 4 of 10 prompt tokens, as the usage chunks said
         if cell.mode == "auto":  # 5 of the 6 answered requests went to plain
             assert "plain 83%" in row and "speculative 17%" in row
         else:
@@ -369,6 +373,9 @@ def test_a_shared_prefix_workload_puts_one_document_before_every_prompt_and_repo
     assert all(b["messages"][1:] and b["messages"][-1]["role"] == "user" for b in fake.bodies)
     assert [c.cached_share for c in report.cells] == [0.4]  # 4 of 10 prompt tokens, as the usage said
     assert "workload shared-prefix" in render_load(report) and " 40%" in render_load(report)
+    (outside,) = [c.outside_ms for c in report.cells]
+    assert OUTSIDE_MS <= outside < OUTSIDE_MS + 150  # the client's TTFT less the backend's
+    assert f"{outside:.0f} ms" in render_load(report)
 
 
 def test_a_multi_turn_client_carries_its_history_and_starts_over_after_the_last_turn():
