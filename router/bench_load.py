@@ -15,8 +15,9 @@ import asyncio
 import gc
 import itertools
 import json
+import secrets
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -182,9 +183,10 @@ def _schedule(config: LoadConfig) -> list[Cell]:
     """Levels in order; within a level every mode under every batching, the order rotating from
     level to level, so no cell always runs first (cold caches) or last (a warm, throttled machine)."""
     pairs = [(m, b) for b in config.batching for m in config.modes]
-    return [
-        Cell(level, *pairs[(i + j) % len(pairs)]) for i, level in enumerate(config.levels()) for j in range(len(pairs))
-    ]
+    run = secrets.token_hex(4)  # a later run against the same service starts cold too
+    levels = enumerate(config.levels())
+    cells = [Cell(level, *pairs[(i + j) % len(pairs)]) for i, level in levels for j in range(len(pairs))]
+    return [replace(c, cache_salt=f"bench-load-{run}-{n}") for n, c in enumerate(cells)]
 
 
 async def _run_closed_cell(
@@ -318,6 +320,8 @@ async def timed_request(
         "stream_options": {"include_usage": True},
         "specroute": {"backend": cell.mode, "category": prompt.category, "batching": cell.batching},
     }
+    if cell.cache_salt is not None:
+        body["cache_salt"] = cell.cache_salt
     trace = Trace(started=time.perf_counter(), first=first)
     try:
         # httpx's timeout bounds each read; this bounds the whole request, however slowly it streams.

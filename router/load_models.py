@@ -124,6 +124,9 @@ class Cell:
     level: Level
     mode: Mode
     batching: Batching
+    # Each cell's requests share prefix-cache blocks only among themselves (the service's `cache_salt`):
+    # a mode run later must not find the prompts an earlier cell already prefilled.
+    cache_salt: str | None = None
 
 
 class JoinProbe(BaseModel):

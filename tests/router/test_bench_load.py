@@ -128,6 +128,13 @@ def test_closed_loop_never_exceeds_the_level_and_modes_rotate(report, fake, conf
     assert next(arrivals, None) is None
     first_per_level = [_schedule(config)[i * len(config.modes)].mode for i in range(len(LEVELS))]
     assert len(set(first_per_level)) == len(LEVELS)
+    # every cell its own prefix-cache salt (no mode finds what an earlier cell prefilled), every run new ones
+    salts = [c.cache_salt for c in _schedule(config)]
+    assert len(set(salts)) == len(salts) and not set(salts) & {c.cache_salt for c in _schedule(config)}
+    bodies, sent = iter(fake.bodies), []
+    for scheduled in _schedule(config):
+        sent.append({next(bodies)["cache_salt"] for _ in range(config.requests_at(scheduled.level))})
+    assert all(len(cell) == 1 for cell in sent) and len(set().union(*sent)) == len(sent)
 
 
 def test_errors_are_counted_and_the_run_goes_on(report):
@@ -370,6 +377,7 @@ def test_a_shared_prefix_workload_puts_one_document_before_every_prompt_and_repo
     report = load(config, fake.handler)
     systems = {json.dumps(b["messages"][0]) for b in fake.bodies}
     assert len(systems) == 1 and json.loads(systems.pop())["role"] == "system"
+    assert len({b["cache_salt"] for b in fake.bodies}) == 1  # one cell: its requests share their cache
     assert all(b["messages"][1:] and b["messages"][-1]["role"] == "user" for b in fake.bodies)
     assert [c.cached_share for c in report.cells] == [0.4]  # 4 of 10 prompt tokens, as the usage said
     assert "workload shared-prefix" in render_load(report) and " 40%" in render_load(report)
