@@ -32,17 +32,16 @@ class PrefixIndex:
         return self.cached(ids, salt).get(backend, 0)
 
     def cached(self, ids: Sequence[int], salt: str | None = None) -> dict[str, int]:
-        """Per backend expected to hold some of the prompt, the tokens it holds; the prompt's block
-        keys are computed once for every backend."""
-        if not any(self.blocks.values()):
-            return {}
-        keys = list(chain_keys(ids, root_key(SCOPE, salt)))
-        out = {}
-        for backend, held in self.blocks.items():
-            found = next((i for i, key in enumerate(keys) if key not in held), len(keys))
-            if found:
-                out[backend] = found * BLOCK_TOKENS
-        return out
+        """Per holder expected to hold some of the prompt, the tokens it holds; each block's key is
+        computed once for every holder, and hashing stops at the first block none of them holds."""
+        holding = [h for h, held in self.blocks.items() if held]
+        found: dict[str, int] = {}
+        for n, key in enumerate(chain_keys(ids, root_key(SCOPE, salt)), start=1):
+            holding = [h for h in holding if key in self.blocks[h]]
+            if not holding:
+                break
+            found.update(dict.fromkeys(holding, n * BLOCK_TOKENS))
+        return found
 
     def sent(self, backend: str, ids: Sequence[int], salt: str | None = None) -> None:
         """The prompt went to `backend`: its blocks are cached there now, the most recently used."""

@@ -30,3 +30,20 @@ def test_salts_separate_and_the_least_recently_sent_blocks_go_first():
     off = PrefixIndex(0, ["plain"])
     off.sent("plain", PROMPT)
     assert off.cached_tokens("plain", PROMPT) == 0
+
+
+def test_every_holder_is_answered_from_one_pass_that_stops_at_the_first_block_none_holds(monkeypatch):
+    import policies.prefix as prefix
+
+    index = PrefixIndex(64, ["speculative", "plain"])
+    index.sent("plain", PROMPT)
+    index.sent("speculative", [*PROMPT[:BLOCK_TOKENS], 1, 2, 3])  # holds the first block only
+    hashed = []
+    real = prefix.block_key
+    monkeypatch.setattr(prefix, "block_key", lambda parent, tokens: hashed.append(1) or real(parent, tokens))
+    assert index.cached(PROMPT) == {"plain": 3 * BLOCK_TOKENS, "speculative": BLOCK_TOKENS}
+    assert len(hashed) == 3
+    hashed.clear()
+    stranger = [*PROMPT[:BLOCK_TOKENS], *range(900, 900 + 4 * BLOCK_TOKENS)]
+    assert index.cached(stranger) == {"plain": BLOCK_TOKENS, "speculative": BLOCK_TOKENS}
+    assert len(hashed) == 2  # the second block is nobody's: no further block is hashed
