@@ -32,9 +32,13 @@ class AffinityRouter(RequestRouter):
         prefix, so only load counts); `routing`: `ReplicaRouting`'s fields."""
         self.routing = ReplicaRouting.model_validate(routing)
         self.prefixes = PrefixIndex(prefix_blocks, None)
-        self.loads: Counter[ReplicaID] = Counter()
         self.requests: dict[str, ReplicaID] = {}  # internal request id → where it runs
         register(self._deployment_id.name, self)
+
+    @property
+    def loads(self) -> Counter[ReplicaID]:
+        """Requests this router has in flight on each replica."""
+        return Counter(self.requests.values())
 
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
@@ -48,23 +52,20 @@ class AffinityRouter(RequestRouter):
         replicas = list(candidate_replicas)
         random.shuffle(replicas)  # equals spread; rank_replicas keeps the given order among them
         by_id = {str(r.replica_id): r for r in replicas}
-        loads = {str(r.replica_id): self.loads[r.replica_id] for r in replicas}
+        running = self.loads
+        loads = {str(r.replica_id): running[r.replica_id] for r in replicas}
         cached = self.prefixes.cached(*_prompt(pending_request)) if pending_request is not None else {}
         ranked = rank_replicas(list(by_id), loads, cached, self.routing)
         return [[by_id[r]] for r in ranked]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
-        self.loads[replica_id] += 1
         self.requests[pending_request.metadata.internal_request_id] = replica_id
         ids, salt = _prompt(pending_request)
         if ids:
             self.prefixes.sent(str(replica_id), ids, salt)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
-        if self.requests.pop(internal_request_id, None) is not None:
-            self.loads[replica_id] -= 1
-            if self.loads[replica_id] <= 0:
-                del self.loads[replica_id]
+        self.requests.pop(internal_request_id, None)  # Serve may report one request twice: counted once
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
