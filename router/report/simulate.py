@@ -428,10 +428,9 @@ def _capacity(profile: Profile, policy: PolicyConfig, traffic: Traffic, mode: st
 
 
 def size(
-    inputs: Inputs, traffic: Traffic, config: ReportConfig, progress: bool, runs: Runs | None = None
+    inputs: Inputs, traffic: Traffic, config: ReportConfig, progress: bool, runs: Runs
 ) -> tuple[list[r.SizingRow], dict[str, RunSummary]]:
     profile, policy, workload = inputs.profile, inputs.policy, inputs.workload
-    runs = runs or Runs(policy, traffic, config.seed, (workload.slo.ttft_ms, workload.slo.tpot_ms))
     rows, sized = [], {}
     tokens_per_row = float(np.mean([q.prompt_tokens + q.output_tokens for q in traffic.requests]))
     for mode in tqdm(_modes(profile), desc="sizing", unit="backend", disable=not progress, leave=False):
@@ -474,15 +473,12 @@ def size(
     return rows, sized
 
 
-def what_if(
-    inputs: Inputs, traffic: Traffic, config: ReportConfig, progress: bool, runs: Runs | None = None
-) -> list[r.WhatIfRow]:
+def what_if(inputs: Inputs, traffic: Traffic, config: ReportConfig, progress: bool, runs: Runs) -> list[r.WhatIfRow]:
     """The workload's what-if grid (replicas × load factors, on this machine's profile and any
     compared one), and for every load factor but 1× the fewest replicas that meet the SLO (its
     search starts from the sizing at 1×: fewer never meet more load, and load × replicas is the
     first guess)."""
     workload = inputs.workload
-    runs = runs or Runs(inputs.policy, traffic, config.seed, (workload.slo.ttft_ms, workload.slo.tpot_ms))
     profiles = [("this machine", inputs.profile), *inputs.compare]
     factors = workload.what_if.load_factors
     grid = [
