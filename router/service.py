@@ -31,6 +31,7 @@ from ray.serve.handle import DeploymentHandle
 
 from backends.deployments import BackendSettings, PlainBackend, QuantizedBackend, SpeculativeBackend
 from backends.embedded import ensure_model_here
+from backends.engines import caches_exactly
 from backends.engines.llamacpp import llama_unavailable
 from backends.loop_metrics import LoopSnapshot
 from backends.models import load_tokenizer
@@ -160,7 +161,7 @@ def prefix_blocks(settings: ServiceSettings, backend: str = "plain") -> int:
     """KV blocks a replica of `backend` may keep as prefix cache: float32 torch targets cache
     (backends.engines.caches_exactly), the quantized backend's int kernels and llama.cpp do not yet."""
     b, choice = settings.backend, settings.dtype_choice
-    caching = b.prefix_caching and b.engine == "torch" and choice is not None and choice.dtype == "float32"
+    caching = b.prefix_caching and b.engine == "torch" and choice is not None and caches_exactly(choice.dtype)
     return b.cache_tokens // BLOCK_TOKENS if caching and backend in PREFIX_BACKENDS else 0
 
 

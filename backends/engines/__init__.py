@@ -139,16 +139,17 @@ def build_engine(
         feature_layers=feature_layers,
         tile=tile,
         tile_rows=settings.tile_max_rows,
-        prefix_caching=settings.prefix_caching and caches_exactly(loaded),
+        prefix_caching=settings.prefix_caching and caches_exactly(loaded.info.dtype),
     )
 
 
-def caches_exactly(loaded: LoadedModel) -> bool:
-    """Whether a cached prefix leaves this target's tokens unchanged: in float32 a token's keys are
+def caches_exactly(dtype: str) -> bool:
+    """Whether a cached prefix leaves the tokens of a torch target computing in `dtype` (its
+    `ModelInfo.dtype`: a quantized target's is its method) unchanged: in float32 a token's keys are
     the same whichever prefill chunk computed them (tested); in bfloat16 and through torch's int
     kernels they round differently with a pass's width, so a hit could change the answer — there
     every prompt is prefilled in full."""
-    return loaded.info.dtype == "float32"
+    return dtype == "float32"
 
 
 def gguf_file(loaded: LoadedModel, weights: GgufWeights = "file") -> Path:
