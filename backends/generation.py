@@ -118,7 +118,7 @@ class SequenceState:
     finished_at: float | None = None
     listener: TokenListener | None = None  # streams tokens out while the engine runs
     speculation: SpeculationStats | None = None  # the speculative engine's live statistics of this row
-    cached_tokens: int = 0  # prompt tokens the prefix cache held when the row joined
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache instead of prefilled
     _stop_cut: int | None = None  # character offset where a stop string begins
     _searched_chars: int = 0
 

@@ -72,7 +72,7 @@ class _Sequence:
     reserved: int = 0  # tokens promised to this sequence (blocks it may still claim)
     chain: list[bytes] = field(default_factory=list)  # prefix-cache keys of its leading full blocks
     root: bytes = b""  # the key its first block's chains from (identity and salt)
-    cached: int = 0  # prompt tokens it found in the prefix cache when it joined
+    cached: int = 0  # prompt tokens it found in the prefix cache instead of computing them
 
 
 @dataclass
@@ -188,8 +188,47 @@ class PagedCache:
         return seq
 
     def cached_tokens(self, seq: int) -> int:
-        """Prompt tokens the sequence found in the prefix cache when it joined."""
+        """Prompt tokens the sequence found in the prefix cache (when it joined, and by `adopt`)."""
         return self.sequences[seq].cached
+
+    def adopt(self, seq: int, prefix: Sequence[int]) -> int:
+        """Extend a sequence still being prefilled with the cached blocks that continue its chain
+        over `prefix` — blocks another sequence registered after this one joined (requests that
+        arrived together and share a system prompt) — instead of computing them again. Only at a
+        block boundary, with every block it holds full and keyed. Returns the tokens gained."""
+        state = self.sequences[seq]
+        bs = self.block_tokens
+        if not self.prefix_caching or state.length != len(state.chain) * bs or len(state.blocks) != len(state.chain):
+            return 0
+        found = []
+        parent = state.chain[-1] if state.chain else state.root
+        for i in range(len(state.chain), max(len(prefix) - 1, 0) // bs):  # never the block of the last token
+            key = block_key(parent, prefix[i * bs : (i + 1) * bs])
+            block = self._registered.get(key)
+            if block is None:
+                break
+            found.append((key, block))
+            parent = key
+        for key, block in found:
+            self._hold(block)
+            state.blocks.append(block)
+            state.chain.append(key)
+        gained = len(found) * bs
+        state.length += gained
+        state.cached += gained
+        self.prefix_stats.hits += gained
+        return gained
+
+    def next_key(self, seq: int, prefix: Sequence[int]) -> bytes | None:
+        """The key of the next full block the sequence would compute from `prefix` and then offer
+        to others (None when prefix caching is off, it is not at a keyed block boundary, or no
+        cacheable block is left): two sequences with the same next key compute the same block."""
+        state = self.sequences[seq]
+        bs = self.block_tokens
+        if not self.prefix_caching or state.length != len(state.chain) * bs or len(prefix) - 1 < state.length + bs:
+            return None
+        parent = state.chain[-1] if state.chain else state.root
+        return block_key(parent, prefix[state.length : state.length + bs])
 
     def commit(self, seq: int, tokens: Sequence[int]) -> None:
         """Register the sequence's full blocks whose tokens — `tokens`, its verified context from

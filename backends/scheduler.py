@@ -496,8 +496,16 @@ class Scheduler:
         return [] if row.drafter is not None and row.drafter.feature_layers else row.context
 
     def _prefill(self, rows: list[Row], budget: int) -> None:
-        """One pass over prompt chunks: oldest requests first, one chunk width for the pass."""
-        width = min(self.settings.prefill_chunk, max(len(r.context) - r.computed for r in rows), budget)
+        """One pass over prompt chunks: oldest requests first, one chunk width for the pass. A row
+        first takes the cached blocks other rows computed since it joined, and a row whose next block
+        an older row computes in this pass waits one step to take it from the cache — requests that
+        arrive together with one system prompt compute it once, not once per chunk pair."""
+        self._adopt_cached(rows)
+        rows = self._distinct(rows)
+        longest = max(len(r.context) - r.computed for r in rows)
+        width = min(self.settings.prefill_chunk, longest, budget)
+        if longest > width > self.cache.block_tokens:  # a row that goes on stays at a block boundary
+            width -= width % self.cache.block_tokens
         chosen = rows[: max(1, budget // width)]
         blocks = [r.context[r.computed : r.computed + width] for r in chosen]
         ready = [b for b, r in enumerate(chosen) if r.computed + len(blocks[b]) >= len(r.context)]
@@ -517,6 +525,29 @@ class Scheduler:
         self._report_features(chosen, [len(b) for b in blocks])
         for row, token in zip(done, first, strict=True):
             self._emit(row, [int(token)])
+
+    def _adopt_cached(self, rows: list[Row]) -> None:
+        for row in rows:
+            prefix = self._cacheable_prefix(row)
+            gained = self.cache.adopt(row.seq, prefix) if prefix else 0
+            if gained:
+                row.computed += gained
+                if row.resume is None:
+                    row.state.cached_tokens = self.cache.cached_tokens(row.seq)
+
+    def _distinct(self, rows: list[Row]) -> list[Row]:
+        """The rows, less any whose next block an older one among them is about to compute."""
+        computing: set[bytes] = set()
+        kept = []
+        for row in rows:
+            prefix = self._cacheable_prefix(row)
+            key = self.cache.next_key(row.seq, prefix) if prefix else None
+            if key is not None and key in computing:
+                continue
+            if key is not None:
+                computing.add(key)
+            kept.append(row)
+        return kept
 
     def _decode(self, rows: list[Row]) -> None:
         """One target pass for every running row, with drafts where they pay."""

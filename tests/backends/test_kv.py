@@ -269,6 +269,28 @@ def test_a_shared_prefix_is_computed_once_and_read_by_every_sequence_that_starts
 
 
 @torch.inference_mode()
+def test_a_sequence_mid_prefill_adopts_the_blocks_another_registered_after_it_joined(tiny_target):
+    model = tiny_target.model
+    cache = PagedCache(model, 1024, block_tokens=4, prefix_caching=True)
+    system = list(range(10, 27))  # 17 tokens: four full blocks
+    late = cache.add(40, [*system, 60, 61])  # joined before anything was cached: found nothing
+    cache.last_logits([late], [system[:4]])  # its first chunk
+    cache.commit(late, [*system, 60, 61])
+    assert cache.next_key(late, [*system, 60, 61]) is not None
+    first, _ = _prefilled(cache, [*system, 50])  # found the late one's block, computed the rest
+    assert cache.adopt(late, [*system, 60, 61]) == 12  # three more full blocks, shared
+    assert cache.sequences[late].blocks[:4] == cache.sequences[first].blocks[:4]
+    assert cache.cached_tokens(late) == 12 and cache.length(late) == 16
+    logits = cache.last_logits([late], [[26, 60, 61]])[0]
+    torch.testing.assert_close(logits, _clean_logits(model, [*system, 60, 61]), **TOL)
+    # mid-block, or with nothing more cached, there is nothing to adopt and no next block to offer
+    assert cache.adopt(late, [*system, 60, 61]) == 0 and cache.next_key(late, [*system, 60, 61]) is None
+    off = PagedCache(model, 1024, block_tokens=4)
+    seq = off.add(40, system)
+    assert off.adopt(seq, system) == 0 and off.next_key(seq, system) is None
+
+
+@torch.inference_mode()
 def test_salts_and_different_tokens_never_share_a_block(tiny_target):
     cache = PagedCache(tiny_target.model, 1024, block_tokens=4, prefix_caching=True)
     prompt = list(range(10, 30))

@@ -240,6 +240,34 @@ def test_prefix_hits_and_preemptions_leave_greedy_output_unchanged(tiny_target, 
     assert (preemptions > 0) == (settings is SCARCE)
 
 
+def test_requests_arriving_together_compute_their_shared_prompt_once(tiny_target, tiny_references, monkeypatch):
+    """Admitted in one step, nobody finds anything cached; still, a row waits a step rather than
+    compute the block an older row computes, and then takes it from the cache."""
+    questions = ["Which bread is the softest?", "What do you bake on Sundays?", "Is rye sour?", "Why rise?"]
+    requests = [
+        GenerationRequest(messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}])
+        for q in questions
+    ]
+    fed: dict[bool, int] = {}
+    cached: dict[bool, list[int]] = {}
+    for caching in (True, False):
+        scheduler = Scheduler(tiny_target, TIGHT.model_copy(update={"prefix_caching": caching}))
+        prefill, tokens = scheduler.cache.last_logits, []
+
+        def spy(seqs, blocks, prefill=prefill, tokens=tokens):
+            tokens.append(sum(len(b) for b in blocks))
+            return prefill(seqs, blocks)
+
+        monkeypatch.setattr(scheduler.cache, "last_logits", spy)
+        results = scheduler.generate(requests)
+        assert [r.token_ids for r in results] == [tiny_references(r) for r in requests]
+        fed[caching], cached[caching] = sum(tokens), [r.cached_tokens for r in results]
+    prompts = sum(r.prompt_tokens for r in results)
+    assert cached[False] == [0] * 4 and fed[False] == prompts
+    assert cached[True][0] == 0 and all(c > 0 for c in cached[True][1:])
+    assert fed[True] == prompts - sum(cached[True]) < 0.5 * prompts
+
+
 def test_prefix_caching_off_and_other_salts_find_nothing(tiny_target):
     request = GenerationRequest(messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hi"}])
     salted = [request.model_copy(update={"cache_salt": salt}) for salt in ("a", "b", "a")]
