@@ -45,7 +45,12 @@ class Limits(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     max_prompt_tokens: int = Field(4096, ge=1)
-    max_tokens: int = Field(1024, ge=1, description="largest max_tokens a request may ask for")
+    max_tokens: int = Field(
+        4096,
+        ge=1,
+        description="largest max_tokens a request may ask for (KV memory is taken as tokens are produced: asking "
+        "for more than an answer uses costs nothing)",
+    )
     default_max_tokens: int = Field(256, ge=1, description="a chat request without max_tokens gets this")
     max_messages: int = Field(128, ge=1)
     max_body_bytes: int = Field(1 << 20, ge=1024)
