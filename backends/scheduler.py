@@ -52,6 +52,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from policies.cost_model import RowOutlook, plan_step
 from policies.engines import ENGINES, GGUF_WEIGHTS, EngineName, GgufWeights
+from policies.prefix import BLOCK_TOKENS
 from policies.profile import AcceptanceMap, ContextCurve, CostCurve, Profile
 from policies.quantization import REDUCED_PRECISION
 
@@ -504,8 +505,8 @@ class Scheduler:
         rows = self._distinct(rows)
         longest = max(len(r.context) - r.computed for r in rows)
         width = min(self.settings.prefill_chunk, longest, budget)
-        if longest > width > self.cache.block_tokens:  # a row that goes on stays at a block boundary
-            width -= width % self.cache.block_tokens
+        if longest > width > BLOCK_TOKENS:  # a row that goes on stays at a prefix-cache block boundary
+            width -= width % BLOCK_TOKENS
         chosen = rows[: max(1, budget // width)]
         blocks = [r.context[r.computed : r.computed + width] for r in chosen]
         ready = [b for b, r in enumerate(chosen) if r.computed + len(blocks[b]) >= len(r.context)]

@@ -66,12 +66,22 @@ class Engine(Protocol):
         ...
 
     def cached_tokens(self, seq: int) -> int:
-        """Prompt tokens the sequence found cached when it joined."""
+        """Prompt tokens the sequence found cached instead of computing them."""
         ...
 
     def commit(self, seq: int, tokens: Sequence[int]) -> None:
         """`tokens` are the sequence's verified context from position 0: its full blocks may be
         cached for later sequences."""
+        ...
+
+    def adopt(self, seq: int, prefix: Sequence[int]) -> int:
+        """A sequence still being prefilled takes the cached blocks that continue it over `prefix`
+        (cached since it joined); the tokens it gained (0 without a prefix cache)."""
+        ...
+
+    def next_key(self, seq: int, prefix: Sequence[int]) -> bytes | None:
+        """The cache key of the next block the sequence would compute from `prefix` (None without a
+        prefix cache): sequences with the same next key would compute the same block."""
         ...
 
     def remove(self, seq: int) -> None: ...

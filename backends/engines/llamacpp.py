@@ -259,6 +259,12 @@ class LlamaCppEngine:
     def commit(self, seq: int, tokens: Sequence[int]) -> None:
         """Nothing is cached for later sequences on this engine."""
 
+    def adopt(self, seq: int, prefix: Sequence[int]) -> int:
+        return 0  # no prefix cache
+
+    def next_key(self, seq: int, prefix: Sequence[int]) -> bytes | None:
+        return None
+
     def spare_blocks(self) -> int:
         """Nothing is shared to grow into: each sequence owns a fixed share of the context."""
         return 0
