@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -173,18 +173,10 @@ class PagedCache:
             raise CacheFull(f"no room to reserve {reserve} tokens")
         seq = self._next_id
         self._next_id += 1
-        root = self._root(salt)
-        found = self._lookup(prefix, root)
-        for _, block in found:
-            self._hold(block)
-        state = _Sequence(reserved=reserve, root=root)
-        state.blocks = [block for _, block in found]
-        state.chain = [key for key, _ in found]
-        state.length = state.cached = len(found) * self.block_tokens
-        self.sequences[seq] = state
+        self.sequences[seq] = state = _Sequence(reserved=reserve, root=self._root(salt))
         if self.prefix_caching and prefix:
             self.prefix_stats.queries += len(prefix)
-            self.prefix_stats.hits += state.cached
+        self._extend(state, prefix)
         return seq
 
     def cached_tokens(self, seq: int) -> int:
@@ -197,38 +189,16 @@ class PagedCache:
         arrived together and share a system prompt) — instead of computing them again. Only at a
         block boundary, with every block it holds full and keyed. Returns the tokens gained."""
         state = self.sequences[seq]
-        bs = self.block_tokens
-        if not self.prefix_caching or state.length != len(state.chain) * bs or len(state.blocks) != len(state.chain):
-            return 0
-        found = []
-        parent = state.chain[-1] if state.chain else state.root
-        for i in range(len(state.chain), max(len(prefix) - 1, 0) // bs):  # never the block of the last token
-            key = block_key(parent, prefix[i * bs : (i + 1) * bs])
-            block = self._registered.get(key)
-            if block is None:
-                break
-            found.append((key, block))
-            parent = key
-        for key, block in found:
-            self._hold(block)
-            state.blocks.append(block)
-            state.chain.append(key)
-        gained = len(found) * bs
-        state.length += gained
-        state.cached += gained
-        self.prefix_stats.hits += gained
-        return gained
+        return self._extend(state, prefix) if self._at_keyed_boundary(state) else 0
 
     def next_key(self, seq: int, prefix: Sequence[int]) -> bytes | None:
         """The key of the next full block the sequence would compute from `prefix` and then offer
         to others (None when prefix caching is off, it is not at a keyed block boundary, or no
         cacheable block is left): two sequences with the same next key compute the same block."""
         state = self.sequences[seq]
-        bs = self.block_tokens
-        if not self.prefix_caching or state.length != len(state.chain) * bs or len(prefix) - 1 < state.length + bs:
+        if not self.prefix_caching or not self._at_keyed_boundary(state):
             return None
-        parent = state.chain[-1] if state.chain else state.root
-        return block_key(parent, prefix[state.length : state.length + bs])
+        return next(self._chain_keys(state, prefix), None)
 
     def commit(self, seq: int, tokens: Sequence[int]) -> None:
         """Register the sequence's full blocks whose tokens — `tokens`, its verified context from
@@ -297,7 +267,7 @@ class PagedCache:
         """Would a sequence promised `tokens` fit beside every reservation already made, leaving a
         block for each of `growing` sequences to grow into? With its `prefix`, cached blocks it
         would share count as held already (and idle cached ones it would take back as spent)."""
-        found = [block for _, block in self._lookup(prefix, self._root(salt))]
+        found = [block for _, block in self._lookup(chain_keys(prefix, self._root(salt), self.block_tokens))]
         revived = sum(block in self._evictable for block in found)
         return self._blocks_for(tokens) - len(found) + revived + growing <= self._unpromised_blocks()
 
@@ -328,18 +298,40 @@ class PagedCache:
     def _root(self, salt: str | None) -> bytes:
         return root_key(self._identity, salt)
 
-    def _lookup(self, prefix: Sequence[int], root: bytes) -> list[tuple[bytes, int]]:
-        """The longest chain of registered blocks covering `prefix` (short of its last token):
-        (key, block) pairs."""
+    def _lookup(self, keys: Iterator[bytes]) -> list[tuple[bytes, int]]:
+        """The registered blocks of a chain of `keys`, up to the first one not cached: (key, block)
+        pairs."""
         if not self.prefix_caching:
             return []
         found = []
-        for key in chain_keys(prefix, root, self.block_tokens):
+        for key in keys:
             block = self._registered.get(key)
             if block is None:
                 break
             found.append((key, block))
         return found
+
+    def _chain_keys(self, state: _Sequence, prefix: Sequence[int]) -> Iterator[bytes]:
+        """The keys of `prefix`'s full blocks past those the sequence holds keyed."""
+        parent = state.chain[-1] if state.chain else state.root
+        return chain_keys(prefix, parent, self.block_tokens, start=len(state.chain))
+
+    def _at_keyed_boundary(self, state: _Sequence) -> bool:
+        """Every block the sequence holds is full and keyed: it may go on with cached blocks."""
+        return state.length == len(state.chain) * self.block_tokens == len(state.blocks) * self.block_tokens
+
+    def _extend(self, state: _Sequence, prefix: Sequence[int]) -> int:
+        """The sequence takes the cached blocks that continue its chain over `prefix`; the tokens gained."""
+        found = self._lookup(self._chain_keys(state, prefix))
+        for key, block in found:
+            self._hold(block)
+            state.blocks.append(block)
+            state.chain.append(key)
+        gained = len(found) * self.block_tokens
+        state.length += gained
+        state.cached += gained
+        self.prefix_stats.hits += gained
+        return gained
 
     def _hold(self, block: int) -> None:
         self._evictable.pop(block, None)

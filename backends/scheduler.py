@@ -457,8 +457,7 @@ class Scheduler:
             self.waiting.popleft()
             row.seq = self.cache.add(needed, prefix, salt)
             row.computed = self.cache.length(row.seq)
-            if row.resume is None:
-                row.state.cached_tokens = self.cache.cached_tokens(row.seq)
+            self._count_cached(row)
             self.running.append(row)
 
     def _make_room(self) -> None:
@@ -530,11 +529,15 @@ class Scheduler:
     def _adopt_cached(self, rows: list[Row]) -> None:
         for row in rows:
             prefix = self._cacheable_prefix(row)
-            gained = self.cache.adopt(row.seq, prefix) if prefix else 0
-            if gained:
-                row.computed += gained
-                if row.resume is None:
-                    row.state.cached_tokens = self.cache.cached_tokens(row.seq)
+            if prefix and self.cache.adopt(row.seq, prefix):
+                row.computed = self.cache.length(row.seq)
+                self._count_cached(row)
+
+    def _count_cached(self, row: Row) -> None:
+        """The prompt tokens the row took from the prefix cache, for its usage (a resumed row's
+        cached context is its own earlier work, not the prompt's)."""
+        if row.resume is None:
+            row.state.cached_tokens = self.cache.cached_tokens(row.seq)
 
     def _distinct(self, rows: list[Row]) -> list[Row]:
         """The rows, less any whose next block an older one among them is about to compute."""

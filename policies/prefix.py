@@ -25,11 +25,11 @@ def root_key(scope: bytes, salt: str | None) -> bytes:
     return hashlib.blake2b(scope + b"\x00" + (salt or "").encode(), digest_size=16).digest()
 
 
-def chain_keys(ids: Sequence[int], root: bytes, block_tokens: int = BLOCK_TOKENS) -> Iterator[bytes]:
+def chain_keys(ids: Sequence[int], root: bytes, block_tokens: int = BLOCK_TOKENS, start: int = 0) -> Iterator[bytes]:
     """The keys of a prompt's full blocks that a cache may serve, in order (a lookup stops hashing
     at its first miss): never the block holding its last token, which the sequence must feed to
-    sample after it."""
+    sample after it. From block `start` on, `root` being the key of the block before it."""
     parent = root
-    for i in range(max(len(ids) - 1, 0) // block_tokens):
+    for i in range(start, max(len(ids) - 1, 0) // block_tokens):
         parent = block_key(parent, ids[i * block_tokens : (i + 1) * block_tokens])
         yield parent
