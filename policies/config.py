@@ -160,6 +160,27 @@ class BottleneckConfig(_Section):
     )
 
 
+class CalibrationConfig(_Section):
+    enabled: bool = Field(
+        True,
+        description="Scale each backend's predicted time per token by what finished requests measured in this service "
+        "(per backend and load), and explore a backend not yet measured at a load.",
+    )
+    window: int = Field(
+        16, ge=1, le=1024, description="Finished requests kept per backend and load (their median rules)."
+    )
+    min_observations: int = Field(
+        3, ge=1, le=64, description="Requests a backend needs measured at a load before its own factor is used there."
+    )
+    explore_within: float | None = Field(
+        0.8,
+        gt=0,
+        le=1,
+        description="Send a request to a backend not yet measured at this load when its predicted tokens/s is at "
+        "least this share of the choice's; null: never explore.",
+    )
+
+
 class PolicyConfig(_Section):
     version: Literal[1] = Field(1, description="Schema version of this file; this specroute reads version 1.")
     speculation: SpeculationConfig = Field(default_factory=SpeculationConfig, description="Speculative decoding.")
@@ -167,13 +188,16 @@ class PolicyConfig(_Section):
     quantization: QuantizationConfig = Field(default_factory=QuantizationConfig, description="The quantized backend.")
     slo: SLOConfig = Field(default_factory=SLOConfig, description="Latency targets per request.")
     bottleneck: BottleneckConfig = Field(default_factory=BottleneckConfig, description="Bottleneck classification.")
+    calibration: CalibrationConfig = Field(
+        default_factory=CalibrationConfig, description="Correcting the profile with the service's own measurements."
+    )
     concurrency_override: int | None = Field(
         None,
         ge=1,
         description="Decide as if this many requests were in flight (capacity planning, tests); null: live load.",
     )
 
-    @field_validator("speculation", "batching", "quantization", "slo", "bottleneck", mode="before")
+    @field_validator("speculation", "batching", "quantization", "slo", "bottleneck", "calibration", mode="before")
     @classmethod
     def _empty_section(cls, value: object) -> object:
         # `slo:` with every child commented out is YAML null; it means "defaults", not "no section".

@@ -12,6 +12,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from .calibration import Calibration
 from .config import PolicyConfig
 from .estimates import (
     Backend,
@@ -26,7 +27,7 @@ from .estimates import (
 )
 from .profile import Profile, ProfileError
 
-Stage = Literal["speculation", "batching", "quantization"]
+Stage = Literal["speculation", "batching", "quantization", "exploration"]
 
 
 class AlphaInput(BaseModel):
@@ -93,11 +94,17 @@ class Decision(BaseModel):
 
 
 def decide(
-    features: RequestFeatures, load: LoadSnapshot, profile: Profile, config: PolicyConfig, break_even: bool = True
+    features: RequestFeatures,
+    load: LoadSnapshot,
+    profile: Profile,
+    config: PolicyConfig,
+    break_even: bool = True,
+    calibration: Calibration | None = None,
 ) -> Decision:
     """Where the request goes and why. `break_even`: also the concurrency from which each drafter
     stops paying — an explanation (/v1/advise shows it) that routing and the capacity simulation
-    skip, as it costs more than the decision itself."""
+    skip, as it costs more than the decision itself. `calibration`: the service's measured time per
+    token over the profile's, per backend at this load (None: the profile alone, as planning has it)."""
     costs = ProfileCosts(profile, decode_context(features.prompt_tokens, features.max_tokens))
     b = config.concurrency_override or load.concurrency
     # A provisional profile's decisions use what is measured so far: every decision says so first.
@@ -112,6 +119,9 @@ def decide(
     quantized = _best_quantized(quantized_all, _speculation_gate(b, bottleneck, config), config)
     candidates = [*specs, plain, *quantized_all]
     _count_cached_prefill(candidates, costs, features, reasons)
+    calibrated = calibration if calibration is not None and config.calibration.enabled else None
+    if calibrated is not None:
+        _calibrate(candidates, calibrated, reasons)
     for c in candidates:
         c.meets_slo = _meets_slo(c, config)
 
@@ -119,6 +129,9 @@ def decide(
     if choice is None:
         choice, stage = _batching_stage(plain, specs, config, reasons)
     choice, stage = _quantization_stage(choice, stage, quantized, b, load, config, profile, reasons)
+    if calibrated is not None:
+        eligible = _eligible(specs, plain, quantized, bottleneck, b, load, config, profile)
+        choice, stage = _explore(choice, stage, eligible, calibrated, config, reasons)
     reasons.append(_slo_reason(choice, config))
     return Decision(
         backend=choice.backend,
@@ -151,6 +164,85 @@ def _count_cached_prefill(
             f"prefix cache: the {backend} backend holds about {cached} of the prompt's {prompt} tokens: "
             f"it prefills {share:.0%} of the prompt's time"
         )
+
+
+def _calibrate(candidates: list[Candidate], calibration: Calibration, reasons: list[str]) -> None:
+    """Every candidate's decode scaled by its backend's measured factor; speedups stay over the
+    plain backend, now as this service runs it."""
+    factors = calibration.factors
+    if not factors:
+        reasons.append(
+            f"calibration: no request has finished in this service yet (concurrency ~{calibration.bucket}): "
+            "the profile's times as measured"
+        )
+        return
+    plain = factors.get("plain", 1.0)
+    for c in candidates:
+        f = factors.get(c.backend, 1.0)
+        decode = c.latency_ms - c.ttft_ms
+        c.tpot_ms, c.tokens_per_s, c.speedup = c.tpot_ms * f, c.tokens_per_s / f, c.speedup * plain / f
+        c.latency_ms = c.ttft_ms + decode * f
+    parts = ", ".join(f"{b} {f:.2f}× ({calibration.sources.get(b, '')})" for b, f in sorted(factors.items()))
+    reasons.append(
+        f"calibration: time per token measured in this service over the profile's, at concurrency "
+        f"~{calibration.bucket}: {parts}; the predictions below are scaled by it"
+    )
+
+
+def _eligible(
+    specs: list[Candidate],
+    plain: Candidate,
+    quantized: Candidate | None,
+    bottleneck: str,
+    b: int,
+    load: LoadSnapshot,
+    config: PolicyConfig,
+    profile: Profile,
+) -> list[Candidate]:
+    """The best candidate of each backend the policy allows at this load (what exploring may try)."""
+    out = [plain]
+    spec = config.speculation
+    if specs and spec.enabled and _speculation_gate(b, bottleneck, config) is None:
+        out.append(max(specs, key=lambda c: c.speedup))
+    q = config.quantization
+    if quantized is not None and q.enabled and profile.quantized is not None:
+        agreement = profile.quantized.agreement
+        if q.meets_floor(agreement) and _quantization_justified(plain, b, load, config, agreement) is not None:
+            out.append(quantized)
+    return out
+
+
+def _explore(
+    choice: Candidate,
+    stage: Stage,
+    eligible: list[Candidate],
+    calibration: Calibration,
+    config: PolicyConfig,
+    reasons: list[str],
+) -> tuple[Candidate, Stage]:
+    """Send the request to a backend this service has not measured enough at this load when it is
+    predicted close to the choice: a factor is learned only where requests go. The choice itself is
+    measured first (a cold service follows the profile), then its close rivals."""
+    within, enough = config.calibration.explore_within, config.calibration.min_observations
+    if within is None or calibration.observations.get(choice.backend, 0) < enough:
+        return choice, stage
+    unmeasured = [
+        c
+        for c in eligible
+        if c.backend != choice.backend
+        and calibration.observations.get(c.backend, 0) < enough
+        and c.tokens_per_s >= within * choice.tokens_per_s
+    ]
+    if not unmeasured:
+        return choice, stage
+    best = max(unmeasured, key=lambda c: c.tokens_per_s)
+    seen = calibration.observations.get(best.backend, 0)
+    reasons.append(
+        f"exploration: the {best.backend} backend has {seen} of {enough} requests measured at concurrency "
+        f"~{calibration.bucket} in this service and is predicted at {best.tokens_per_s / choice.tokens_per_s:.2f}× "
+        f"the {choice.backend} choice's tokens/s (≥ {within:g}): this request measures it"
+    )
+    return best, "exploration"
 
 
 def _break_even(costs: ProfileCosts, specs: list[Candidate], config: PolicyConfig, b: int) -> dict[str, int | None]:

@@ -24,9 +24,10 @@ from backends.generation import GenerationRequest, GenerationResult
 from backends.loop_metrics import LoopSnapshot
 from backends.plain import prompt_ids
 from backends.streaming import StreamEvent
+from policies.calibration import ServiceCalibration, predicted_tpot_ms
 from policies.config import PolicyConfig, PolicyError, parse_policy
-from policies.estimates import BACKENDS
-from policies.policy import Decision, LoadSnapshot, RequestFeatures, decide
+from policies.estimates import BACKENDS, ProfileCosts
+from policies.policy import Decision, LoadSnapshot, RequestFeatures, decide, k_range
 from policies.profile import Profile, ProfileError
 from policies.serving_dtype import DtypeChoice
 
@@ -175,6 +176,7 @@ class RouterCore:
         self.predictors = Predictors.from_profile(profile)
         self.load: Counter[str] = Counter()
         self.prefixes = PrefixIndex(prefix_blocks, prefix_backends)
+        self.calibration = ServiceCalibration(policy.calibration)
         self.policy_error: str | None = None
         self.profile_error: str | None = None
 
@@ -205,6 +207,7 @@ class RouterCore:
             log.error("policy rejected, keeping the last good one: %s", exc)
             return False
         self.policy_error = None
+        self.calibration.config = self.policy.calibration
         return True
 
     def apply_profile(self, path: Path, quantization: str = "auto", stacked: list[str] | None = None) -> bool:
@@ -225,6 +228,7 @@ class RouterCore:
             return False
         if profile.samples != self.profile.samples:  # the same samples: keep what the predictors learned since
             self.predictors = Predictors.from_profile(profile)
+        self.calibration.clear()  # factors over the old profile's predictions say nothing about the new one's
         self.profile, self.profile_error = profile, None
         log.info("routing with the profile at %s (measured %s)", path, profile.created)
         return True
@@ -276,7 +280,10 @@ class RouterCore:
             in_flight["other"] = extra_load
         replicas = self.pool.replica_counts() if isinstance(self.pool, ReplicatedPool) else {}
         snapshot = LoadSnapshot(in_flight=in_flight, replicas=replicas)
-        return decide(features, snapshot, self.profile, self.effective_policy(), break_even=explain), features
+        policy = self.effective_policy()
+        calibration = self.calibration.at(policy.concurrency_override or snapshot.concurrency, BACKENDS)
+        decision = decide(features, snapshot, self.profile, policy, break_even=explain, calibration=calibration)
+        return decision, features
 
     def route(self, prepared: Prepared) -> Routed:
         decision, features = self.decide(prepared, explain=False)
@@ -430,6 +437,37 @@ class RouterCore:
         )
 
     def _learn(self, prepared: Prepared, routed: Routed, result: GenerationResult) -> None:
+        """What a finished request measured corrects the router: its time per token the backend's
+        calibration factor at its load, its α and ρ the predictors for its drafter (and category)."""
+        self._calibrate(prepared, routed, result)
+        self._learn_acceptance(prepared, routed, result)
+
+    def _calibrate(self, prepared: Prepared, routed: Routed, result: GenerationResult) -> None:
+        """The request's measured time per token over what the profile predicts for it (at the
+        acceptance it achieved): a retried request's time mixes two backends and is left out."""
+        if routed.retried or result.completion_tokens < 2 or result.tpot_s <= 0:
+            return
+        stats = result.speculation
+        drafter = stats.drafter if stats is not None else routed.drafter
+        achieved = None
+        if stats is not None:
+            alpha = stats.accepted_tokens / stats.judged_tokens if stats.judged_tokens else 0.0
+            achieved = (alpha, stats.drafts / stats.requested_steps if stats.requested_steps else 0.0)
+        policy = self.effective_policy()
+        predicted = predicted_tpot_ms(
+            self.profile,
+            routed.backend,
+            drafter,
+            routed.concurrency,
+            prepared.prompt_tokens,
+            result.completion_tokens,
+            k_range(ProfileCosts(self.profile), policy),
+            achieved,
+        )
+        if predicted is not None:
+            self.calibration.observe(routed.backend, routed.concurrency, predicted, result.tpot_s * 1e3)
+
+    def _learn_acceptance(self, prepared: Prepared, routed: Routed, result: GenerationResult) -> None:
         """The α and ρ this request achieved correct the predictors for its drafter (and category):
         α from accepted of judged tokens, ρ from drafts of the steps that asked for them (a request
         whose drafter never proposed still says ρ was 0, though it judged nothing)."""
@@ -490,6 +528,8 @@ class RouterCore:
             # known once a backend was sent a request; the policy divides each backend's load by them
             "replicas": self.pool.replica_counts() if isinstance(self.pool, ReplicatedPool) else None,
             "below_quality_floor": self.below_quality_floor(),
+            # per backend and load (concurrency, powers of two): measured time per token over the profile's
+            "calibration": self.calibration.summary(),
             "policy": self.policy.model_dump(mode="json"),
             "policy_error": self.policy_error,
             "served_drafters": self.drafters,

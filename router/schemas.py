@@ -187,7 +187,10 @@ class SpecrouteInfo(BaseModel):
     backend: str
     drafter: str | None = None
     k: int | None = Field(None, description="drafted tokens per step the policy planned (the engine adapts k)")
-    stage: str = Field(description="the policy stage that decided: speculation, batching, quantization or forced")
+    stage: str = Field(
+        description="the policy stage that decided: speculation, batching, quantization, exploration (a backend "
+        "this service had not measured enough at this load) or forced"
+    )
     reasons: list[str]
     concurrency: int = Field(description="requests in flight when it was routed, itself included")
     alpha: float | None = Field(None, description="measured: accepted / judged draft tokens")

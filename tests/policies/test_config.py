@@ -95,7 +95,7 @@ def test_section_left_empty_means_its_defaults():
 def test_unknown_top_level_key_lists_the_sections():
     message = problems_of("speculaton:\n  k_max: 4\n")
     assert (
-        "speculaton: unknown key (allowed: version, speculation, batching, quantization, slo, bottleneck, "
+        "speculaton: unknown key (allowed: version, speculation, batching, quantization, slo, bottleneck, calibration, "
         "concurrency_override)" in message
     )
     assert "did you mean speculation?" in message

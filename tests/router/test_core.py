@@ -299,3 +299,43 @@ def test_the_backend_gets_the_prompt_ids_and_the_policy_each_replicas_load(token
 
     asyncio.run(run())
     assert pool.requests[0]["prompt_ids"] == prepared.prompt_ids
+
+
+class TimedPool:
+    """Every request answers ten tokens at `tpot_s[backend]` seconds each."""
+
+    def __init__(self, tpot_s: dict[str, float]) -> None:
+        self.tpot_s = tpot_s
+
+    async def stream(self, backend, request, drafter, batching="continuous"):
+        ids = list(range(1, 11))
+        result = one_token_result("ok", 1).model_copy(
+            update={"token_ids": ids, "completion_tokens": len(ids), "tpot_s": self.tpot_s[backend]}
+        )
+        yield StreamEvent(text="ok", token_ids=ids, result=result)
+
+
+def test_finished_requests_calibrate_their_backends_time_per_token_and_the_next_decision_reads_it(tokenizer):
+    from policies.calibration import predicted_tpot_ms
+
+    profile = synthetic_profile(quantized_agreement=0.99)
+    plain_ms = predicted_tpot_ms(profile, "plain", None, 1, 3, 10, (1, 8))
+    quantized_ms = predicted_tpot_ms(profile, "quantized", None, 1, 3, 10, (1, 8))
+    # The service runs plain 1.5× and the quantized backend 3× their profiled times.
+    pool = TimedPool({"plain": 1.5 * plain_ms / 1e3, "quantized": 3.0 * quantized_ms / 1e3})
+    config = PolicyConfig.model_validate({"speculation": {"enabled": False}})
+    router = RouterCore(profile, config, tokenizer, pool)
+    before, _ = router.decide(router.prepare(GenerationRequest(prompt="abc", max_tokens=10), SpecrouteOptions()))
+    assert before.backend == "quantized"  # the profile has it 1.7× faster than plain
+    for backend in ("plain", "quantized") * 3:
+        run_forced(router, backend)
+    summary = router.calibration.summary()
+    assert summary["plain"][1]["requests"] == 3 and summary["quantized"][1]["requests"] == 3
+    assert summary["quantized"][1]["factor"] / summary["plain"][1]["factor"] == pytest.approx(2.0, rel=0.1)
+    after, _ = router.decide(router.prepare(GenerationRequest(prompt="abc", max_tokens=10), SpecrouteOptions()))
+    assert after.backend == "plain"  # 1.7× predicted, 1.7 / 2 = 0.85× as this service runs it
+    assert any(r.startswith("calibration: time per token measured in this service") for r in after.reasons)
+    assert asyncio.run(router.health())["calibration"] == summary
+    # A new profile predicts differently: what was learned against the old one is dropped.
+    router.calibration.clear()
+    assert router.calibration.summary() == {}

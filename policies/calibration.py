@@ -1,0 +1,132 @@
+"""The service's own measurements correcting the profile's predictions.
+
+The profile times each pass alone on an idle machine; in the service the same pass shares the
+cores with the proxy, the router, streaming and the other backends' replicas, and each backend
+pays that differently (measured here: plain 1.5× its profiled time per token at concurrency 1,
+the int8 backend 1.13×, so the profile's "0.97× plain" was 1.3× in the service). The router
+therefore keeps, per backend and per load (concurrency in powers of two), the time per output
+token each finished request measured over what the profile predicts for that very request —
+at the acceptance the request achieved, so a mispredicted α is the α predictor's to learn, not
+the cost's — and the policy scales every candidate by its backend's factor before choosing.
+
+A backend the service has not measured at a load yet takes the factor of the nearest load it was
+measured at, else the median of the other backends' (the service's overhead is mostly shared),
+and is *explored*: a request is sent there when it is predicted within `explore_within` of the
+choice, until `min_observations` requests measured it at that load.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from .config import CalibrationConfig
+from .estimates import Backend, ProfileCosts, decode_context, plain_candidate, quantized_candidates
+from .estimates import speculative_candidate as _speculative
+from .profile import Profile, ProfileError
+
+
+def load_bucket(concurrency: int) -> int:
+    """Loads are told apart at powers of two: the service's overhead per token moves slowly between them."""
+    return 1 << max(concurrency - 1, 0).bit_length()
+
+
+class Calibration(BaseModel):
+    """Each backend's measured-over-predicted time per token at one load: what `decide` scales by."""
+
+    model_config = ConfigDict(frozen=True)
+
+    bucket: int = Field(ge=1, description="the load (concurrency, a power of two) the factors are for")
+    factors: dict[Backend, float] = Field(default_factory=dict, description="measured TPOT over the profile's")
+    observations: dict[Backend, int] = Field(
+        default_factory=dict, description="finished requests behind each factor at this very load"
+    )
+    sources: dict[Backend, str] = Field(default_factory=dict, description="where each factor comes from, in words")
+
+
+@dataclass
+class ServiceCalibration:
+    """The ratios finished requests measured, kept per backend and load (the last `window` of each)."""
+
+    config: CalibrationConfig = field(default_factory=CalibrationConfig)
+    ratios: dict[tuple[str, int], deque[float]] = field(default_factory=dict)
+
+    def observe(self, backend: str, concurrency: int, predicted_ms: float, measured_ms: float) -> None:
+        if predicted_ms <= 0 or measured_ms <= 0:
+            return
+        key = (backend, load_bucket(concurrency))
+        self.ratios.setdefault(key, deque(maxlen=self.config.window)).append(measured_ms / predicted_ms)
+
+    def clear(self) -> None:
+        """Forget every ratio (a new profile predicts differently)."""
+        self.ratios.clear()
+
+    def at(self, concurrency: int, backends: tuple[str, ...]) -> Calibration:
+        bucket = load_bucket(concurrency)
+        factors, sources = {}, {}
+        for backend in backends:
+            near = self._nearest(backend, bucket)
+            if near is not None:
+                ratios = self.ratios[(backend, near)]
+                factors[backend] = statistics.median(ratios)
+                sources[backend] = f"{len(ratios)} requests" + ("" if near == bucket else f" at concurrency ~{near}")
+        shared = statistics.median(factors.values()) if factors else None
+        for backend in backends:
+            if backend not in factors and shared is not None:
+                factors[backend] = shared
+                sources[backend] = "not measured here yet: the other backends' median"
+        observations = {b: len(self.ratios.get((b, bucket), ())) for b in backends}
+        return Calibration(bucket=bucket, factors=factors, observations=observations, sources=sources)
+
+    def _nearest(self, backend: str, bucket: int) -> int | None:
+        """The load closest to `bucket` (in powers of two) at which `backend` has enough ratios."""
+        enough = self.config.min_observations
+        measured = [b for (x, b), ratios in self.ratios.items() if x == backend and len(ratios) >= enough]
+        return min(measured, key=lambda b: (abs(b.bit_length() - bucket.bit_length()), b), default=None)
+
+    def summary(self) -> dict[str, dict[int, dict[str, float]]]:
+        """Per backend and load: the median factor and how many requests it rests on (/healthz)."""
+        out: dict[str, dict[int, dict[str, float]]] = {}
+        for (backend, bucket), ratios in sorted(self.ratios.items()):
+            out.setdefault(backend, {})[bucket] = {"factor": statistics.median(ratios), "requests": len(ratios)}
+        return out
+
+
+def predicted_tpot_ms(
+    profile: Profile,
+    backend: str,
+    drafter: str | None,
+    concurrency: int,
+    prompt_tokens: int,
+    completion_tokens: int,
+    k_bounds: tuple[int, int],
+    achieved: tuple[float, float] | None = None,
+) -> float | None:
+    """What the profile predicts per output token for a finished request: its backend (and
+    drafter) at the concurrency it was routed at, its prompt and answer lengths, and — for a
+    speculating request — the (α, ρ) it achieved. None where the profile cannot say (no quantized
+    curve, a drafter it never measured, speculation that judged nothing)."""
+    costs = ProfileCosts(profile, decode_context(prompt_tokens, completion_tokens))
+    b, tokens = max(concurrency, 1), max(completion_tokens, 1)
+    if backend == "plain" or (backend == "speculative" and drafter is None):
+        return plain_candidate(costs, b, prompt_tokens, tokens).tpot_ms
+    if drafter is not None and achieved is None:
+        return None
+    try:
+        if backend == "speculative":
+            assert achieved is not None and drafter is not None
+            alpha, rho = achieved
+            spec = _speculative(
+                costs, profile.drafter(drafter), alpha, "achieved", rho, b, prompt_tokens, tokens, k_bounds
+            )
+            return spec.tpot_ms
+        alphas = {drafter: (achieved[0], "achieved", achieved[1])} if drafter and achieved else {}
+        found = [
+            c for c in quantized_candidates(costs, b, prompt_tokens, tokens, alphas, k_bounds) if c.drafter == drafter
+        ]
+    except ProfileError:
+        return None
+    return found[0].tpot_ms if found else None
