@@ -7,7 +7,9 @@ the int8 backend 1.13×, so the profile's "0.97× plain" was 1.3× in the servic
 therefore keeps, per backend and per load (concurrency in powers of two), the time per output
 token each finished request measured over what the profile predicts for that very request —
 at the acceptance the request achieved, so a mispredicted α is the α predictor's to learn, not
-the cost's — and the policy scales every candidate by its backend's factor before choosing.
+the cost's — and likewise its time to first token (the int8 backend prefilled 1.8× slower than
+plain here, where the profile scales its prefill like its decode step), and the policy scales
+every candidate by its backend's factors before choosing.
 
 A backend the service has not measured at a load yet takes the factor of the nearest load it was
 measured at, else the median of the other backends' (the service's overhead is mostly shared),
@@ -20,11 +22,19 @@ from __future__ import annotations
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from .config import CalibrationConfig
-from .estimates import Backend, ProfileCosts, decode_context, plain_candidate, quantized_candidates
+from .estimates import (
+    Backend,
+    ProfileCosts,
+    QuantizedCosts,
+    decode_context,
+    plain_candidate,
+    quantized_candidates,
+)
 from .estimates import speculative_candidate as _speculative
 from .profile import Profile, ProfileError
 
@@ -34,13 +44,18 @@ def load_bucket(concurrency: int) -> int:
     return 1 << max(concurrency - 1, 0).bit_length()
 
 
+Measure = Literal["tpot", "ttft"]
+
+
 class Calibration(BaseModel):
-    """Each backend's measured-over-predicted time per token at one load: what `decide` scales by."""
+    """Each backend's measured-over-predicted time per token and time to first token at one load:
+    what `decide` scales by."""
 
     model_config = ConfigDict(frozen=True)
 
     bucket: int = Field(ge=1, description="the load (concurrency, a power of two) the factors are for")
     factors: dict[Backend, float] = Field(default_factory=dict, description="measured TPOT over the profile's")
+    ttft_factors: dict[Backend, float] = Field(default_factory=dict, description="measured TTFT over the profile's")
     observations: dict[Backend, int] = Field(
         default_factory=dict, description="finished requests behind each factor at this very load"
     )
@@ -49,15 +64,17 @@ class Calibration(BaseModel):
 
 @dataclass
 class ServiceCalibration:
-    """The ratios finished requests measured, kept per backend and load (the last `window` of each)."""
+    """The ratios finished requests measured, kept per measure, backend and load (the last `window` of each)."""
 
     config: CalibrationConfig = field(default_factory=CalibrationConfig)
-    ratios: dict[tuple[str, int], deque[float]] = field(default_factory=dict)
+    ratios: dict[tuple[Measure, str, int], deque[float]] = field(default_factory=dict)
 
-    def observe(self, backend: str, concurrency: int, predicted_ms: float, measured_ms: float) -> None:
+    def observe(
+        self, measure: Measure, backend: str, concurrency: int, predicted_ms: float, measured_ms: float
+    ) -> None:
         if predicted_ms <= 0 or measured_ms <= 0:
             return
-        key = (backend, load_bucket(concurrency))
+        key = (measure, backend, load_bucket(concurrency))
         self.ratios.setdefault(key, deque(maxlen=self.config.window)).append(measured_ms / predicted_ms)
 
     def clear(self) -> None:
@@ -66,11 +83,21 @@ class ServiceCalibration:
 
     def at(self, concurrency: int, backends: tuple[str, ...]) -> Calibration:
         bucket = load_bucket(concurrency)
+        tpot, sources = self._factors("tpot", bucket, backends)
+        ttft, _ = self._factors("ttft", bucket, backends)
+        observations = {b: len(self.ratios.get(("tpot", b, bucket), ())) for b in backends}
+        return Calibration(bucket=bucket, factors=tpot, ttft_factors=ttft, observations=observations, sources=sources)
+
+    def _factors(
+        self, measure: Measure, bucket: int, backends: tuple[str, ...]
+    ) -> tuple[dict[str, float], dict[str, str]]:
+        """Each backend's median at the nearest load it has enough ratios at; a backend with none
+        takes the others' median (the service's overhead is mostly shared)."""
         factors, sources = {}, {}
         for backend in backends:
-            near = self._nearest(backend, bucket)
+            near = self._nearest(measure, backend, bucket)
             if near is not None:
-                ratios = self.ratios[(backend, near)]
+                ratios = self.ratios[(measure, backend, near)]
                 factors[backend] = statistics.median(ratios)
                 sources[backend] = f"{len(ratios)} requests" + ("" if near == bucket else f" at concurrency ~{near}")
         shared = statistics.median(factors.values()) if factors else None
@@ -78,20 +105,24 @@ class ServiceCalibration:
             if backend not in factors and shared is not None:
                 factors[backend] = shared
                 sources[backend] = "not measured here yet: the other backends' median"
-        observations = {b: len(self.ratios.get((b, bucket), ())) for b in backends}
-        return Calibration(bucket=bucket, factors=factors, observations=observations, sources=sources)
+        return factors, sources
 
-    def _nearest(self, backend: str, bucket: int) -> int | None:
+    def _nearest(self, measure: Measure, backend: str, bucket: int) -> int | None:
         """The load closest to `bucket` (in powers of two) at which `backend` has enough ratios."""
         enough = self.config.min_observations
-        measured = [b for (x, b), ratios in self.ratios.items() if x == backend and len(ratios) >= enough]
+        measured = [
+            b for (m, x, b), ratios in self.ratios.items() if (m, x) == (measure, backend) and len(ratios) >= enough
+        ]
         return min(measured, key=lambda b: (abs(b.bit_length() - bucket.bit_length()), b), default=None)
 
     def summary(self) -> dict[str, dict[int, dict[str, float]]]:
-        """Per backend and load: the median factor and how many requests it rests on (/healthz)."""
+        """Per backend and load: the median factor of each measure and how many requests it rests on (/healthz)."""
         out: dict[str, dict[int, dict[str, float]]] = {}
-        for (backend, bucket), ratios in sorted(self.ratios.items()):
-            out.setdefault(backend, {})[bucket] = {"factor": statistics.median(ratios), "requests": len(ratios)}
+        for (measure, backend, bucket), ratios in sorted(self.ratios.items()):
+            row = out.setdefault(backend, {}).setdefault(bucket, {})
+            row[measure] = statistics.median(ratios)
+            if measure == "tpot":
+                row["requests"] = len(ratios)
         return out
 
 
@@ -130,3 +161,18 @@ def predicted_tpot_ms(
     except ProfileError:
         return None
     return found[0].tpot_ms if found else None
+
+
+def predicted_ttft_ms(
+    profile: Profile, backend: str, concurrency: int, prompt_tokens: int, cached_tokens: int = 0
+) -> float | None:
+    """What the profile predicts for a finished request's time to first token: the prefill of the
+    prompt tokens its backend did not hold cached, on that backend's weights (None: no quantized
+    curve)."""
+    costs = ProfileCosts(profile)
+    uncached = max(prompt_tokens - cached_tokens, 1)
+    if backend != "quantized":
+        return costs.ttft_s(uncached) * 1e3
+    if profile.quantized is None:
+        return None
+    return QuantizedCosts(costs, max(concurrency, 1)).ttft_s(uncached) * 1e3

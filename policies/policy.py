@@ -167,9 +167,9 @@ def _count_cached_prefill(
 
 
 def _calibrate(candidates: list[Candidate], calibration: Calibration, reasons: list[str]) -> None:
-    """Every candidate's decode scaled by its backend's measured factor; speedups stay over the
-    plain backend, now as this service runs it."""
-    factors = calibration.factors
+    """Every candidate's prefill and decode scaled by its backend's measured factors; speedups stay
+    over the plain backend, now as this service runs it."""
+    factors, ttft = calibration.factors, calibration.ttft_factors
     if not factors:
         reasons.append(
             f"calibration: no request has finished in this service yet (concurrency ~{calibration.bucket}): "
@@ -178,13 +178,17 @@ def _calibrate(candidates: list[Candidate], calibration: Calibration, reasons: l
         return
     plain = factors.get("plain", 1.0)
     for c in candidates:
-        f = factors.get(c.backend, 1.0)
+        f, g = factors.get(c.backend, 1.0), ttft.get(c.backend, 1.0)
         decode = c.latency_ms - c.ttft_ms
         c.tpot_ms, c.tokens_per_s, c.speedup = c.tpot_ms * f, c.tokens_per_s / f, c.speedup * plain / f
+        c.ttft_ms *= g
         c.latency_ms = c.ttft_ms + decode * f
-    parts = ", ".join(f"{b} {f:.2f}× ({calibration.sources.get(b, '')})" for b, f in sorted(factors.items()))
+    parts = ", ".join(
+        f"{b} {f:.2f}× per token, {ttft.get(b, 1.0):.2f}× to the first ({calibration.sources.get(b, '')})"
+        for b, f in sorted(factors.items())
+    )
     reasons.append(
-        f"calibration: time per token measured in this service over the profile's, at concurrency "
+        f"calibration: measured in this service over the profile's prediction, at concurrency "
         f"~{calibration.bucket}: {parts}; the predictions below are scaled by it"
     )
 
@@ -231,16 +235,16 @@ def _explore(
         for c in eligible
         if c.backend != choice.backend
         and calibration.observations.get(c.backend, 0) < enough
-        and c.tokens_per_s >= within * choice.tokens_per_s
+        and choice.latency_ms >= within * c.latency_ms
     ]
     if not unmeasured:
         return choice, stage
-    best = max(unmeasured, key=lambda c: c.tokens_per_s)
+    best = min(unmeasured, key=lambda c: c.latency_ms)
     seen = calibration.observations.get(best.backend, 0)
     reasons.append(
         f"exploration: the {best.backend} backend has {seen} of {enough} requests measured at concurrency "
-        f"~{calibration.bucket} in this service and is predicted at {best.tokens_per_s / choice.tokens_per_s:.2f}× "
-        f"the {choice.backend} choice's tokens/s (≥ {within:g}): this request measures it"
+        f"~{calibration.bucket} in this service and is predicted at {choice.latency_ms / best.latency_ms:.2f}× "
+        f"the {choice.backend} choice's speed end to end (≥ {within:g}): this request measures it"
     )
     return best, "exploration"
 
@@ -465,7 +469,8 @@ def _quantization_stage(
         reasons.append(f"quantization: {method} quality {agreement:.1%} token agreement < floor {q.min_agreement:.1%}")
         return choice, stage
     why = _quantization_justified(choice, b, load, config, agreement)
-    gain = choice.tpot_ms / quantized.tpot_ms
+    # End to end for this request's max_tokens: prefill differs between the backends too (cache, kernels).
+    gain = choice.latency_ms / quantized.latency_ms
     if why is None:
         reasons.append(f"quantization: not justified at this load ({gain:.2f}× over {choice.backend} on offer)")
         return choice, stage
@@ -479,7 +484,7 @@ def _quantization_stage(
             f"{quantized.k}: {quantized.expected_tokens:.2f} tokens per step)"
         )
     reasons.append(
-        f"quantization: {why}; {method} at {agreement:.1%} agreement{stacked} is {gain:.2f}× faster per token "
+        f"quantization: {why}; {method} at {agreement:.1%} agreement{stacked} is {gain:.2f}× faster end to end "
         f"than {choice.backend} → quantized backend"
     )
     return quantized, "quantization"

@@ -24,7 +24,7 @@ from backends.generation import GenerationRequest, GenerationResult
 from backends.loop_metrics import LoopSnapshot
 from backends.plain import prompt_ids
 from backends.streaming import StreamEvent
-from policies.calibration import ServiceCalibration, predicted_tpot_ms
+from policies.calibration import ServiceCalibration, predicted_tpot_ms, predicted_ttft_ms
 from policies.config import PolicyConfig, PolicyError, parse_policy
 from policies.estimates import BACKENDS, ProfileCosts
 from policies.policy import Decision, LoadSnapshot, RequestFeatures, decide, k_range
@@ -444,7 +444,9 @@ class RouterCore:
 
     def _calibrate(self, prepared: Prepared, routed: Routed, result: GenerationResult) -> None:
         """The request's measured time per token over what the profile predicts for it (at the
-        acceptance it achieved): a retried request's time mixes two backends and is left out."""
+        acceptance it achieved), and its time to first token over the profile's prefill of the
+        prompt tokens its backend did not hold cached. A retried request's times mix two backends
+        and are left out."""
         if routed.retried or result.completion_tokens < 2 or result.tpot_s <= 0:
             return
         stats = result.speculation
@@ -465,7 +467,11 @@ class RouterCore:
             achieved,
         )
         if predicted is not None:
-            self.calibration.observe(routed.backend, routed.concurrency, predicted, result.tpot_s * 1e3)
+            self.calibration.observe("tpot", routed.backend, routed.concurrency, predicted, result.tpot_s * 1e3)
+        cached = min(result.cached_tokens, prepared.prompt_tokens)
+        ttft = predicted_ttft_ms(self.profile, routed.backend, routed.concurrency, prepared.prompt_tokens, cached)
+        if ttft is not None:
+            self.calibration.observe("ttft", routed.backend, routed.concurrency, ttft, result.ttft_s * 1e3)
 
     def _learn_acceptance(self, prepared: Prepared, routed: Routed, result: GenerationResult) -> None:
         """The α and ρ this request achieved correct the predictors for its drafter (and category):

@@ -1,6 +1,6 @@
 import pytest
 
-from policies.calibration import Calibration, ServiceCalibration, load_bucket, predicted_tpot_ms
+from policies.calibration import Calibration, ServiceCalibration, load_bucket, predicted_tpot_ms, predicted_ttft_ms
 from policies.config import CalibrationConfig
 from policies.estimates import BACKENDS
 from policies.policy import decide
@@ -21,7 +21,7 @@ def test_loads_are_bucketed_at_powers_of_two(concurrency, bucket):
 def test_a_factor_is_the_median_of_enough_ratios_at_that_load():
     calibration = ServiceCalibration(CalibrationConfig(min_observations=3))
     for measured in (150, 160, 400):  # one slow outlier does not move a median
-        calibration.observe("plain", 1, 100, measured)
+        calibration.observe("tpot", "plain", 1, 100, measured)
     at = calibration.at(1, BACKENDS)
     assert at.factors["plain"] == pytest.approx(1.6)
     assert at.observations == {"speculative": 0, "plain": 3, "quantized": 0}
@@ -30,16 +30,16 @@ def test_a_factor_is_the_median_of_enough_ratios_at_that_load():
 
 def test_too_few_ratios_give_no_factor():
     calibration = ServiceCalibration(CalibrationConfig(min_observations=3))
-    calibration.observe("plain", 1, 100, 150)
-    calibration.observe("plain", 1, 100, 150)
+    calibration.observe("tpot", "plain", 1, 100, 150)
+    calibration.observe("tpot", "plain", 1, 100, 150)
     assert calibration.at(1, BACKENDS).factors == {}
 
 
 def test_an_unmeasured_load_borrows_the_nearest_and_an_unmeasured_backend_the_others_median():
     calibration = ServiceCalibration(CalibrationConfig(min_observations=1))
-    calibration.observe("plain", 2, 100, 150)
-    calibration.observe("plain", 64, 100, 110)
-    calibration.observe("speculative", 1, 100, 190)
+    calibration.observe("tpot", "plain", 2, 100, 150)
+    calibration.observe("tpot", "plain", 64, 100, 110)
+    calibration.observe("tpot", "speculative", 1, 100, 190)
     at = calibration.at(4, BACKENDS)
     assert at.factors["plain"] == pytest.approx(1.5) and at.sources["plain"] == "1 requests at concurrency ~2"
     assert at.factors["speculative"] == pytest.approx(1.9)
@@ -51,9 +51,10 @@ def test_an_unmeasured_load_borrows_the_nearest_and_an_unmeasured_backend_the_ot
 def test_the_window_keeps_the_latest_ratios():
     calibration = ServiceCalibration(CalibrationConfig(window=2, min_observations=1))
     for measured in (300, 100, 100):
-        calibration.observe("plain", 1, 100, measured)
+        calibration.observe("tpot", "plain", 1, 100, measured)
     assert calibration.at(1, BACKENDS).factors["plain"] == pytest.approx(1.0)
-    assert calibration.summary() == {"plain": {1: {"factor": 1.0, "requests": 2}}}
+    calibration.observe("ttft", "plain", 1, 100, 250)
+    assert calibration.summary() == {"plain": {1: {"tpot": 1.0, "requests": 2, "ttft": 2.5}}}
     calibration.clear()
     assert calibration.summary() == {}
 
@@ -71,7 +72,7 @@ def test_a_measured_factor_turns_a_predicted_speculation_gain_into_plain():
     assert decision.backend == "plain"
     assert after.speedup == pytest.approx(1.0)
     assert after.tpot_ms == pytest.approx(spec.tpot_ms * 1.5 * slower)
-    assert any(r.startswith("calibration: time per token measured in this service") for r in decision.reasons)
+    assert any(r.startswith("calibration: measured in this service") for r in decision.reasons)
 
 
 def test_a_backend_measured_faster_than_profiled_is_chosen():
@@ -128,3 +129,31 @@ def test_the_prediction_a_finished_request_is_judged_against():
     assert predicted_tpot_ms(profile, "speculative", "ngram", 1, 100, 64, (1, 8)) is None  # nothing achieved
     assert predicted_tpot_ms(profile, "speculative", "nobody", 1, 100, 64, (1, 8), achieved=(0.5, 1.0)) is None
     assert predicted_tpot_ms(synthetic_profile(), "quantized", None, 1, 100, 64, (1, 8)) is None
+
+
+def test_a_backend_that_prefills_slower_than_profiled_loses_a_short_answer_it_would_win_per_token():
+    profile = synthetic_profile(quantized_agreement=0.99, quantized_speed=0.8)
+    config = policy(speculation={"enabled": False})
+    short = features("prose").model_copy(update={"max_tokens": 8})
+    assert decide(short, load(1), profile, config).backend == "quantized"
+    # Decode as profiled, but its first token 3× later than predicted (its prefill kernels are slower).
+    measured = Calibration(
+        bucket=1,
+        factors={"plain": 1.0, "quantized": 1.0},
+        ttft_factors={"plain": 1.0, "quantized": 3.0},
+        observations={"plain": 5, "quantized": 5},
+    )
+    decision = decide(short, load(1), profile, config, calibration=measured)
+    assert decision.backend == "plain"
+    quantized = next(c for c in decision.candidates if c.backend == "quantized" and c.drafter is None)
+    plain = next(c for c in decision.candidates if c.backend == "plain")
+    assert quantized.tpot_ms < plain.tpot_ms and quantized.latency_ms > plain.latency_ms
+    assert any("quantized 1.00× per token, 3.00× to the first" in r for r in decision.reasons)
+
+
+def test_the_first_token_a_finished_request_is_judged_against_is_its_uncached_prefill():
+    profile = synthetic_profile(quantized_agreement=0.99)
+    whole = predicted_ttft_ms(profile, "plain", 1, 400)
+    assert whole is not None and predicted_ttft_ms(profile, "plain", 1, 400, cached_tokens=300) < whole
+    assert predicted_ttft_ms(profile, "quantized", 1, 400) is not None
+    assert predicted_ttft_ms(synthetic_profile(), "quantized", 1, 400) is None

@@ -155,7 +155,7 @@ def test_above_the_floor_a_faster_quantized_backend_serves_at_any_load():
     decision = decide(features("prose"), load(1), synthetic_profile(quantized_agreement=0.99), policy())
     assert (decision.backend, decision.stage) == ("quantized", "quantization")
     reason = next(r for r in decision.reasons if r.startswith("quantization"))
-    assert "quality 99.0% ≥ floor 95.0%" in reason and "faster per token" in reason
+    assert "quality 99.0% ≥ floor 95.0%" in reason and "faster end to end" in reason
 
 
 # At 64 sequences the cost model predicts speculation on 'copy' short of min_speedup (at 32, still 1.17×):
