@@ -162,9 +162,10 @@ class BottleneckConfig(_Section):
 
 class CalibrationConfig(_Section):
     enabled: bool = Field(
-        True,
-        description="Scale each backend's predicted time per token by what finished requests measured in this service "
-        "(per backend and load), and explore a backend not yet measured at a load.",
+        False,
+        description="Scale each backend's predicted times by what finished requests measured in this service (per "
+        "backend and load), and explore a backend not yet measured at a load. Off by default: on a 2-core machine it "
+        "did not route better (docs/concepts/stages.md); the factors are measured and shown in /healthz either way.",
     )
     window: int = Field(
         16, ge=1, le=1024, description="Finished requests kept per backend and load (their median rules)."

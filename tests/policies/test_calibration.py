@@ -5,7 +5,14 @@ from policies.config import CalibrationConfig
 from policies.estimates import BACKENDS
 from policies.policy import decide
 from tests.policies.profiles import synthetic_profile
-from tests.policies.test_policy import features, load, policy
+from tests.policies.test_policy import features, load
+from tests.policies.test_policy import policy as base_policy
+
+
+def policy(**overrides: object):
+    """The test policy with calibration switched on (it is off by default)."""
+    calibration = {"enabled": True, **overrides.pop("calibration", {})}  # type: ignore[dict-item]
+    return base_policy(calibration=calibration, **overrides)
 
 
 def calibrated(**factors: float) -> Calibration:
@@ -87,7 +94,7 @@ def test_a_backend_measured_faster_than_profiled_is_chosen():
 def test_calibration_off_in_the_policy_uses_the_profile_alone():
     profile = synthetic_profile()
     slowed = calibrated(plain=1.0, speculative=3.0)
-    off = policy(calibration={"enabled": False})
+    off = base_policy()  # the default
     decision = decide(features("copy", ngram=0.5), load(1), profile, off, calibration=slowed)
     assert decision.backend == "speculative"
     assert not any(r.startswith("calibration") for r in decision.reasons)

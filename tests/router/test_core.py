@@ -323,7 +323,7 @@ def test_finished_requests_calibrate_their_backends_time_per_token_and_the_next_
     quantized_ms = predicted_tpot_ms(profile, "quantized", None, 1, 3, 10, (1, 8))
     # The service runs plain 1.5× and the quantized backend 3× their profiled times.
     pool = TimedPool({"plain": 1.5 * plain_ms / 1e3, "quantized": 3.0 * quantized_ms / 1e3})
-    config = PolicyConfig.model_validate({"speculation": {"enabled": False}})
+    config = PolicyConfig.model_validate({"speculation": {"enabled": False}, "calibration": {"enabled": True}})
     router = RouterCore(profile, config, tokenizer, pool)
     before, _ = router.decide(router.prepare(GenerationRequest(prompt="abc", max_tokens=10), SpecrouteOptions()))
     assert before.backend == "quantized"  # the profile has it 1.7× faster than plain
