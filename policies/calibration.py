@@ -1,15 +1,14 @@
 """The service's own measurements correcting the profile's predictions.
 
 The profile times each pass alone on an idle machine; in the service the same pass shares the
-cores with the proxy, the router, streaming and the other backends' replicas, and each backend
-pays that differently (measured here: plain 1.5× its profiled time per token at concurrency 1,
-the int8 backend 1.13×, so the profile's "0.97× plain" was 1.3× in the service). The router
-therefore keeps, per backend and per load (concurrency in powers of two), the time per output
-token each finished request measured over what the profile predicts for that very request —
-at the acceptance the request achieved, so a mispredicted α is the α predictor's to learn, not
-the cost's — and likewise its time to first token (the int8 backend prefilled 1.8× slower than
-plain here, where the profile scales its prefill like its decode step), and the policy scales
-every candidate by its backend's factors before choosing.
+cores with the proxy, the router, streaming, other requests' prefill and the other backends'
+replicas, and each backend pays that differently (the factors measured on a 2-core machine are in
+docs/concepts/stages.md). The router therefore keeps, per backend and per load (concurrency in
+powers of two), the time per output token each finished request measured over what the profile
+predicts for that very request — at the acceptance the request achieved, so a mispredicted α is
+the α predictor's to learn, not the cost's — and likewise its time to first token over the
+profile's prefill of its uncached prompt. With `calibration.enabled` the policy scales every
+candidate by its backend's factors before choosing.
 
 A backend the service has not measured at a load yet takes the factor of the nearest load it was
 measured at, else the median of the other backends' (the service's overhead is mostly shared),
@@ -34,8 +33,8 @@ from .estimates import (
     decode_context,
     plain_candidate,
     quantized_candidates,
+    speculative_candidate,
 )
-from .estimates import speculative_candidate as _speculative
 from .profile import Profile, ProfileError
 
 
@@ -150,7 +149,7 @@ def predicted_tpot_ms(
         if backend == "speculative":
             assert achieved is not None and drafter is not None
             alpha, rho = achieved
-            spec = _speculative(
+            spec = speculative_candidate(
                 costs, profile.drafter(drafter), alpha, "achieved", rho, b, prompt_tokens, tokens, k_bounds
             )
             return spec.tpot_ms

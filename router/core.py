@@ -281,7 +281,9 @@ class RouterCore:
         replicas = self.pool.replica_counts() if isinstance(self.pool, ReplicatedPool) else {}
         snapshot = LoadSnapshot(in_flight=in_flight, replicas=replicas)
         policy = self.effective_policy()
-        calibration = self.calibration.at(policy.concurrency_override or snapshot.concurrency, BACKENDS)
+        calibration = None  # measured either way; read only where the policy applies it
+        if policy.calibration.enabled:
+            calibration = self.calibration.at(policy.concurrency_override or snapshot.concurrency, BACKENDS)
         decision = decide(features, snapshot, self.profile, policy, break_even=explain, calibration=calibration)
         return decision, features
 
@@ -451,10 +453,7 @@ class RouterCore:
             return
         stats = result.speculation
         drafter = stats.drafter if stats is not None else routed.drafter
-        achieved = None
-        if stats is not None:
-            alpha = stats.accepted_tokens / stats.judged_tokens if stats.judged_tokens else 0.0
-            achieved = (alpha, stats.drafts / stats.requested_steps if stats.requested_steps else 0.0)
+        achieved = (stats.alpha, stats.proposal_rate) if stats is not None else None
         policy = self.effective_policy()
         predicted = predicted_tpot_ms(
             self.profile,
